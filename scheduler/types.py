@@ -1,0 +1,297 @@
+"""Wire types between server, scheduler and models.
+
+Plain dataclasses of Python lists: no tensors cross this boundary, so the
+scheduler is testable with a fake runner and the server never sees torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+SpeculationMode = Literal["auto", True, False]
+
+MAX_SPEC_TOKENS = 16  # per-request `num_speculative_tokens` upper bound
+MAX_LOGIT_BIAS = 1024  # entries in one request's `logit_bias`
+MAX_TOP_LOGPROBS = 20  # as OpenAI
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before queueing; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters, validated on construction.
+
+    temperature == 0 means greedy. `top_k` <= 0 and `top_p` == 1 disable those
+    filters. `logprobs` None: no logprobs; 0: the chosen token's; n: plus the
+    top n. `seed` None draws a random seed: every request samples from its own
+    counter-based stream, so its tokens never depend on its batch neighbours.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    speculation: SpeculationMode = "auto"
+    num_speculative_tokens: int | None = None
+    # Test-only fault injection (honoured only when the engine enables it).
+    fault: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.seed is None:
+            self.seed = secrets.randbits(63)
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(param: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"'{param}' {why}", param=param)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise bad(name, f"must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries")
+        for token_id, bias in self.logit_bias.items():
+            if not -100.0 <= bias <= 100.0:
+                raise bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {token_id}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.speculation not in ("auto", True, False):
+            raise bad("speculation", f"must be \"auto\", true or false, got {self.speculation!r}")
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not 0 <= k <= MAX_SPEC_TOKENS):
+            raise bad("num_speculative_tokens", f"must be an integer in [0, {MAX_SPEC_TOKENS}], got {k!r}")
+        if not 0 <= self.seed < 2**63:
+            raise bad("seed", "must be in [0, 2**63)")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class Request:
+    """One sequence. The scheduler owns the mutable state below the line."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    # Predicted Outputs: the client's expected completion, used as the draft.
+    prediction_ids: list[int] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    # -- scheduler state --
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache. Rejected drafts are rolled back by
+    # moving this back; the runner writes each step from here.
+    num_computed_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    first_scheduled_time: float | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_prediction_accepted: int = 0
+    num_prediction_rejected: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class ScheduledRow:
+    """One request's share of a step.
+
+    `token_ids` are written to the KV at positions `start_pos ..`; for a
+    prefill chunk they are prompt tokens, for decode the last sampled token.
+    `num_spec_tokens` > 0 asks the runner to propose that many draft tokens
+    and verify them in the same forward. `sample` is False for a prefill chunk
+    that does not reach the end of the prompt.
+    """
+
+    request: Request
+    token_ids: list[int]
+    start_pos: int
+    sample: bool
+    num_spec_tokens: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def slot(self) -> int:
+        assert self.request.slot is not None
+        return self.request.slot
+
+
+@dataclass
+class Batch:
+    rows: list[ScheduledRow]
+    # Requests that left since the last step: the runner drops their state.
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) + r.num_spec_tokens for r in self.rows)
+
+    @property
+    def is_spec(self) -> bool:
+        return any(r.num_spec_tokens > 0 for r in self.rows)
+
+
+@dataclass
+class RowOutput:
+    """What the runner produced for one row: 0 tokens mid-prefill, else 1..K+1."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    # Log-probability of each token above, and the top-n alternatives.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # Proposer that drafted for this row this step: "ngram", "draft_model",
+    # "prediction"; None when the row did not speculate.
+    method: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class StepOutput:
+    rows: list[RowOutput]
+    # Seconds by phase: "prefill", "draft", "verify", "decode".
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    # accepted_per_position[i]: rows whose draft token i+1 was accepted.
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one request, sent down its stream."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_prediction_accepted: int = 0
+    num_prediction_rejected: int = 0
+    # The stop token that ended the request (not in new_token_ids), if any.
+    stop_token_id: int | None = None
+
+
+@dataclass
+class SpecCounts:
+    """Speculation counters for one proposer method within a step."""
+
+    num_drafts: int = 0  # rows that carried a draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: FinishReason
+    e2e_seconds: float
+    ttft_seconds: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class StepStats:
+    """Everything one engine step did, for the metrics observer.
+
+    Filled by the engine loop; `scheduler.metrics` is the one place that turns
+    it into Prometheus samples.
+    """
+
+    step_seconds: float
+    batch_size: int  # running requests in the step
+    num_running: int  # after the step
+    num_waiting: int
+    kv_usage: float
+    mode: Literal["spec", "plain"]
+    num_prompt_tokens: int = 0  # prompt tokens prefilled this step
+    num_generation_tokens: int = 0  # tokens emitted this step
+    spec: dict[str, SpecCounts] = field(default_factory=dict)  # by method
+    # accepted_per_position[i]: rows whose draft token i+1 was accepted.
+    accepted_per_position: list[int] = field(default_factory=list)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    # For each row that emitted n > 0 tokens after a gap of g seconds since its
+    # previous emission: (n, g). Per-token ITL records n samples of g / n.
+    token_gaps: list[tuple[int, float]] = field(default_factory=list)
+    first_token_latencies: list[float] = field(default_factory=list)
+    queue_seconds: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)

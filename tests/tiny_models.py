@@ -1,0 +1,128 @@
+"""Tiny random HF models and a locally trained tokenizer: no download.
+
+Each builder saves a complete model directory (config, weights, tokenizer,
+chat template) so tests go through the same loading path as `--model DIR`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Speculative decoding drafts tokens and verifies them in one pass.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Caf\u00e9 na\u00efve \u2014 \u00fcber \u65e5\u672c\u8a9e \U0001f600 emoji and accents.",
+    "for i in range(10):\n    print(i * i)\n",
+    "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z 0 1 2 3 4 5 6 7 8 9",
+] * 20
+
+
+def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _save(model, tokenizer, path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_tiny_llama(path: Path, num_layers: int = 4, seed: int = 0) -> Path:
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    _scale_up_logits(model)
+    return _save(model, tokenizer, path)
+
+
+def build_tiny_qwen2(path: Path, num_layers: int = 3, seed: int = 1) -> Path:
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config)
+    _scale_up_logits(model)
+    return _save(model, tokenizer, path)
+
+
+def build_draft_from(target_dir: Path, path: Path, num_layers: int = 1) -> Path:
+    """A draft that is the target with only its first layers: same vocab, cheap, often right."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(target_dir)
+    model = LlamaForCausalLM.from_pretrained(target_dir) if "llama" in str(target_dir) else None
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(target_dir)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    return _save(model, tokenizer, path)
+
+
+def _scale_up_logits(model) -> None:
+    """Random init gives near-uniform logits; sharpen them so greedy argmax is
+    well separated (exactness tests then compare real decisions, not ties)."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
