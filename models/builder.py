@@ -50,7 +50,7 @@ def build_runner(
         draft = NgramProposer(proposer.ngram_min, proposer.ngram_max)
     elif proposer.method == "draft_model":
         draft_cfg = ModelConfig(
-            model=proposer.draft_model,
+            model=str(proposer.draft_model),
             dtype=str(target.dtype).removeprefix("torch."),
             device=target.device.type,
             cache_dir=model.cache_dir if isinstance(model, ModelConfig) else None,

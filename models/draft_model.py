@@ -35,6 +35,7 @@ class DraftModelProposer:
     def free(self, request_id: str) -> None:
         self._computed.pop(request_id, None)
 
+    @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
         device = self.draft.device
         vocab = self.vocab_size

@@ -92,6 +92,7 @@ class ModelRunner:
             if self.proposer:
                 self.proposer.free(request_id)
 
+    @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
         self.free(batch.finished_ids)
         rows = batch.rows

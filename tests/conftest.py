@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny local models (built once per session, no download)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from tiny_models import build_draft_from, build_tiny_llama, build_tiny_qwen2  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return build_tiny_qwen2(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama with only its first layer: same tokenizer, a cheap, weak draft."""
+    return build_draft_from(tiny_llama_dir, tmp_path_factory.mktemp("models") / "tiny-llama-draft")
+
+
+@pytest.fixture(scope="session")
+def specd_cache_dir(tmp_path_factory) -> Path:
+    """Converted-GGUF cache shared by the tests that load the real SmolLM2."""
+    return tmp_path_factory.mktemp("specd-cache")

@@ -1,0 +1,87 @@
+"""The packed ragged forward reproduces HF's own logits, before and after rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from models.forward import packed_forward
+from models.kv_cache import ATTN_IMPLEMENTATION, KVCache
+
+TOL = 1e-4
+
+
+def _models(path):
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = KVCache.for_model(ours.config, num_slots=4, max_len=64, dtype=torch.float32, device=torch.device("cpu"))
+    return ref, ours, cache
+
+
+def _all(token_lists):
+    return list(range(sum(len(t) for t in token_lists)))
+
+
+@torch.inference_mode()
+def _hf_logits(ref, ids):
+    return ref(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def model_dir(request, tiny_llama_dir, tiny_qwen2_dir):
+    return tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
+
+
+def test_mixed_prefill_and_decode_rows_match_hf(model_dir):
+    ref, ours, cache = _models(model_dir)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (11, 7, 14)]
+    # Step 1: row A prefills its first 6 tokens (slot 0), row C all 13 (slot 3).
+    step1 = [seqs[0][:6], seqs[2][:13]]
+    logits1 = packed_forward(ours, cache, [0, 3], [0, 0], step1, _all(step1))
+    # Step 2: A finishes its prompt (chunked prefill), B prefills in slot 1, C decodes one token.
+    step2 = [seqs[0][6:], seqs[1], seqs[2][13:]]
+    logits2 = packed_forward(ours, cache, [0, 1, 3], [6, 0, 13], step2, _all(step2))
+
+    a, b, c = (_hf_logits(ref, s) for s in seqs)
+    torch.testing.assert_close(logits1[:6], a[:6], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits1[6:], c[:13], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits2[:5], a[6:], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits2[5:12], b, atol=TOL, rtol=0)
+    torch.testing.assert_close(logits2[12:], c[13:], atol=TOL, rtol=0)
+
+
+def test_logits_to_keep_selects_rows(model_dir):
+    ref, ours, cache = _models(model_dir)
+    rows = [[5, 6, 7, 8], [9, 10]]
+    kept = packed_forward(ours, cache, [0, 1], [0, 0], rows, [3, 5])
+    torch.testing.assert_close(kept[0], _hf_logits(ref, rows[0])[-1], atol=TOL, rtol=0)
+    torch.testing.assert_close(kept[1], _hf_logits(ref, rows[1])[-1], atol=TOL, rtol=0)
+
+
+def test_rollback_by_moving_the_length_back(model_dir):
+    """Many verify-like steps that write K+1 tokens and keep only some: the cache
+    must equal a fresh prefill of the kept tokens."""
+    ref, ours, cache = _models(model_dir)
+    g = torch.Generator().manual_seed(1)
+    kept = torch.randint(0, 300, (5,), generator=g).tolist()
+    packed_forward(ours, cache, [2], [0], [kept], [len(kept) - 1])
+    for step in range(12):
+        speculative = torch.randint(0, 300, (4,), generator=g).tolist()
+        logits = packed_forward(ours, cache, [2], [len(kept)], [speculative], [0, 1, 2, 3])
+        torch.testing.assert_close(logits, _hf_logits(ref, kept + speculative)[len(kept) :], atol=TOL, rtol=0)
+        num_accepted = step % 4  # 0..3 tokens survive; the rest are overwritten later
+        kept += speculative[:num_accepted] + [int(torch.randint(0, 300, (1,), generator=g))]
+        # The next write starts at len(kept) - 1: the last token is fed next step.
+        kept_in_cache = kept[:-1]
+        probe = packed_forward(ours, cache, [2], [len(kept_in_cache)], [[kept[-1]]], [0])
+        torch.testing.assert_close(probe[0], _hf_logits(ref, kept)[-1], atol=TOL, rtol=0)
+    fresh = KVCache.for_model(ours.config, 4, 64, torch.float32, torch.device("cpu"))
+    a = packed_forward(ours, fresh, [0], [0], [kept], [len(kept) - 1])
+    b = packed_forward(ours, cache, [2], [len(kept) - 1], [[kept[-1]]], [0])
+    torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+    for layer in range(len(cache.keys)):
+        torch.testing.assert_close(cache.keys[layer][2, :, : len(kept)], fresh.keys[layer][0, :, : len(kept)], atol=TOL, rtol=0)
+        torch.testing.assert_close(cache.values[layer][2, :, : len(kept)], fresh.values[layer][0, :, : len(kept)], atol=TOL, rtol=0)

@@ -1,0 +1,269 @@
+"""models.loader: local dirs, Hub ids offline, the GGUF conversion cache, draft checks."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from models import loader
+from models.loader import (
+    DEFAULT_MODEL_ID,
+    LoadedModel,
+    ModelConfig,
+    ModelLoadError,
+    check_draft_compatible,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
+from tests.tiny_models import build_draft_from, build_tiny_llama, build_tiny_qwen2, build_tokenizer
+
+PROMPT = "Hello world! How are you today?"
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    llama = build_tiny_llama(root / "llama")
+    return {
+        "llama": llama,
+        "qwen2": build_tiny_qwen2(root / "qwen2"),
+        "llama-draft": build_draft_from(llama, root / "llama-draft"),
+    }
+
+
+def _logits(loaded: LoadedModel, text: str = PROMPT) -> torch.Tensor:
+    ids = loaded.tokenizer(text, return_tensors="pt").input_ids.to(loaded.device)
+    with torch.no_grad():
+        return loaded.model(ids).logits  # [1, seq, vocab]
+
+
+def test_config_rejects_unknown_dtype_and_device():
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16"):
+        ModelConfig(dtype="fp8")
+    with pytest.raises(ValueError, match="device must be"):
+        ModelConfig(device="tpu")
+    with pytest.raises(ValueError, match="model must be"):
+        ModelConfig(model=" ")
+    assert ModelConfig(cache_dir="~/x").cache_dir == Path.home() / "x"
+
+
+def test_resolve_device_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        resolve_device("cuda")
+
+
+def test_resolve_dtype(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("float16", cpu) is torch.float16
+    assert resolve_dtype("float32", cuda) is torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert resolve_dtype("auto", cuda) is torch.bfloat16
+    monkeypatch.setattr(loader, "_cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto", cpu) is torch.bfloat16
+    monkeypatch.setattr(loader, "_cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype("auto", cpu) is torch.float32
+    with pytest.raises(ValueError, match="dtype must be"):
+        resolve_dtype("int8", cpu)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_local_directory_matches_plain_transformers(tiny_dirs, arch):
+    path = tiny_dirs[arch]
+    loaded = load_model(ModelConfig(model=str(path), dtype="float32", device="cpu"))
+
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert loaded.model_id == str(path)
+    assert not loaded.model.training
+    assert not any(p.requires_grad for p in loaded.model.parameters())
+    assert loaded.model.dtype is loaded.dtype is torch.float32
+    assert loaded.device == torch.device("cpu")
+    assert loaded.vocab_size == len(loaded.tokenizer) == reference.config.vocab_size
+    assert loaded.max_position_embeddings == 512
+    assert loaded.eos_token_ids == [loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert "<|im_start|>" in loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = loaded.tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(_logits(loaded), reference(ids).logits)
+
+
+def test_dtype_is_applied(tiny_dirs):
+    loaded = load_model(ModelConfig(model=str(tiny_dirs["llama"]), dtype="bfloat16", device="cpu"))
+    assert loaded.dtype is torch.bfloat16
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+
+
+def test_eos_ids_are_the_union_of_generation_config_and_tokenizer(tiny_dirs, tmp_path):
+    path = build_draft_from(tiny_dirs["llama"], tmp_path / "multi-eos")
+    gen_config = path / "generation_config.json"
+    gen_config.write_text(gen_config.read_text().replace('"eos_token_id": 2', '"eos_token_id": [0, 2, 0]'))
+    loaded = load_model(ModelConfig(model=str(path), dtype="float32", device="cpu"))
+    assert loaded.eos_token_ids == [0, 2]
+
+
+def test_missing_local_directory_is_a_clear_error(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match="no such local directory") as info:
+        load_model(ModelConfig(model=missing, device="cpu"))
+    assert missing in str(info.value)
+    with pytest.raises(ModelLoadError, match="no such GGUF file"):
+        load_model(ModelConfig(model=str(tmp_path / "x.gguf"), device="cpu"))
+
+
+def test_unknown_hub_id_offline_names_the_model(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="specd-tests/no-such-model") as info:
+        load_model(ModelConfig(model="specd-tests/no-such-model", device="cpu"))
+    assert "HF_HUB_OFFLINE" in str(info.value)
+
+
+# --- draft compatibility ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target_and_draft(tiny_dirs) -> tuple[LoadedModel, LoadedModel]:
+    target = load_model(ModelConfig(model=str(tiny_dirs["llama"]), dtype="float32", device="cpu"))
+    draft = load_model(ModelConfig(model=str(tiny_dirs["llama-draft"]), dtype="float32", device="cpu"))
+    return target, draft
+
+
+def test_draft_with_same_tokenizer_is_compatible(target_and_draft):
+    target, draft = target_and_draft
+    check_draft_compatible(target, draft)
+    # Padded output embeddings (more rows than tokenizer ids) are accepted.
+    check_draft_compatible(target, dataclasses.replace(draft, vocab_size=draft.vocab_size + 64))
+
+
+def test_draft_with_other_vocabulary_is_refused(target_and_draft):
+    target, draft = target_and_draft
+    other = dataclasses.replace(draft, model_id="other-draft", tokenizer=build_tokenizer(vocab_size=300))
+    with pytest.raises(ValueError, match="draft model other-draft is incompatible with target .*: tokenizer"):
+        check_draft_compatible(target, other)
+
+
+def test_draft_with_other_eos_is_refused(target_and_draft):
+    target, draft = target_and_draft
+    tokenizer = copy.deepcopy(draft.tokenizer)
+    tokenizer.eos_token = "<|endoftext|>"
+    with pytest.raises(ValueError, match="eos_token_id differs"):
+        check_draft_compatible(target, dataclasses.replace(draft, tokenizer=tokenizer))
+    with pytest.raises(ValueError, match="eos token ids differ"):
+        check_draft_compatible(target, dataclasses.replace(draft, eos_token_ids=[2, 0]))
+
+
+def test_draft_too_small_for_the_tokenizer_is_refused(target_and_draft):
+    target, draft = target_and_draft
+    with pytest.raises(ValueError, match="the draft embeds only 100 tokens"):
+        check_draft_compatible(target, dataclasses.replace(draft, vocab_size=100))
+
+
+# --- GGUF conversion cache: a stand-in converter keeps these fast ---------
+
+
+@pytest.fixture
+def fake_gguf(tiny_dirs, tmp_path, monkeypatch) -> dict:
+    """A `.gguf` path whose "conversion" yields the tiny Qwen2 (tied embeddings)."""
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    calls = []
+
+    def convert(source: Path):
+        calls.append(source)
+        model = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen2"], dtype=torch.float32)
+        return model, AutoTokenizer.from_pretrained(tiny_dirs["qwen2"])
+
+    monkeypatch.setattr(loader, "_gguf_to_hf", convert)
+    cfg = ModelConfig(model=str(path), dtype="float32", device="cpu", cache_dir=tmp_path / "cache")
+    return {"cfg": cfg, "calls": calls, "models_dir": tmp_path / "cache" / "models"}
+
+
+def _cache_entries(models_dir: Path) -> list[Path]:
+    return sorted(models_dir.iterdir())
+
+
+def test_gguf_conversion_is_cached_and_reused(fake_gguf, tiny_dirs):
+    first = load_model(fake_gguf["cfg"])
+    second = load_model(fake_gguf["cfg"])
+
+    assert len(fake_gguf["calls"]) == 1
+    [entry] = _cache_entries(fake_gguf["models_dir"])  # no temp dir left behind
+    assert entry.name.startswith("tiny-") and (entry / "specd-cache.json").is_file()
+    assert first.model_id == fake_gguf["cfg"].model
+    model = second.model
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    reference = load_model(ModelConfig(model=str(tiny_dirs["qwen2"]), dtype="float32", device="cpu"))
+    assert torch.equal(_logits(second), _logits(reference))
+
+
+@pytest.mark.parametrize("damage", ["truncate weights", "drop marker"])
+def test_broken_gguf_cache_is_rebuilt(fake_gguf, damage):
+    load_model(fake_gguf["cfg"])
+    [entry] = _cache_entries(fake_gguf["models_dir"])
+    if damage == "truncate weights":
+        (entry / "model.safetensors").write_bytes(b"\0" * 16)
+    else:
+        (entry / "specd-cache.json").unlink()
+
+    loaded = load_model(fake_gguf["cfg"])
+    assert len(fake_gguf["calls"]) == 2
+    assert _cache_entries(fake_gguf["models_dir"]) == [entry]
+    assert torch.isfinite(_logits(loaded)).all()
+
+
+def test_failed_conversion_leaves_no_cache(fake_gguf, monkeypatch):
+    def crash(model, tokenizer, out: Path):
+        (out / "config.json").write_text("{")
+        raise RuntimeError("killed mid-conversion")
+
+    monkeypatch.setattr(loader, "_save_converted", crash)
+    with pytest.raises(RuntimeError, match="killed mid-conversion"):
+        load_model(fake_gguf["cfg"])
+    assert _cache_entries(fake_gguf["models_dir"]) == []
+
+
+# --- the real default model ------------------------------------------------
+
+
+def test_default_smollm2_gguf_converts_once_then_loads_from_cache(tmp_path, monkeypatch, caplog):
+    """~20 s: the one real GGUF conversion in the suite."""
+    converted_logits = []
+    convert = loader._gguf_to_hf
+
+    def spy(path: Path):
+        model, tokenizer = convert(path)
+        ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+        with torch.no_grad():
+            converted_logits.append(model(ids).logits)
+        return model, tokenizer
+
+    monkeypatch.setattr(loader, "_gguf_to_hf", spy)
+    cfg = ModelConfig(dtype="float32", device="cpu", cache_dir=tmp_path)
+    with caplog.at_level(logging.INFO, logger="specd.models"):
+        first = load_model(cfg)
+        second = load_model(cfg)
+
+    assert len(converted_logits) == 1
+    assert sum("converting GGUF" in r.message for r in caplog.records) == 1
+    assert sum(r.message.startswith(f"loaded {DEFAULT_MODEL_ID} in ") for r in caplog.records) == 2
+    assert torch.equal(_logits(first), converted_logits[0])
+    assert torch.equal(_logits(second), converted_logits[0])
+
+    assert second.model_id == DEFAULT_MODEL_ID
+    assert (second.vocab_size, second.max_position_embeddings) == (49152, 8192)
+    assert second.tokenizer.chat_template
+    assert second.tokenizer.convert_tokens_to_ids("<|im_end|>") in second.eos_token_ids
+    model = second.model
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()

@@ -1,0 +1,161 @@
+"""The engine end to end on real (tiny and SmolLM2) models: exactness, seeds, aborts, capacity."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from models.builder import ProposerConfig, build_runner
+from models.loader import ModelConfig, load_model
+from models.runner import RunnerConfig
+from scheduler.engine import AsyncEngine
+from scheduler.offline import collect, run_offline
+from scheduler.policy import SpecConfig
+from scheduler.scheduler import SchedulerConfig
+from scheduler.types import FinishReason, Request, SamplingParams
+
+PROMPTS = ["Hello world", "def add(a, b):", "The quick brown fox", "for i in range(10):\n"]
+
+
+def make_runner(model_dir, method="none", draft=None, max_num_seqs=4, max_model_len=256):
+    target = load_model(ModelConfig(str(model_dir), dtype="float32", device="cpu"))
+    runner = build_runner(
+        target, RunnerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len), ProposerConfig(method, draft)
+    )
+    return target, runner
+
+
+def sched_config(target, max_num_seqs=4, **spec) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_model_len=256,
+        max_num_batched_tokens=128,
+        eos_token_ids=target.eos_token_ids,
+        spec=SpecConfig(**spec),
+    )
+
+
+def hf_greedy(model_dir_or_loaded, prompt_ids: list[int], n: int) -> list[int]:
+    model = model_dir_or_loaded.model
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def greedy_requests(tokenizer, tag: str, n: int = 24, **params) -> list[Request]:
+    return [
+        Request(f"{tag}{i}", tokenizer(p).input_ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **params))
+        for i, p in enumerate(PROMPTS)
+    ]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_matches_hf_generate_alone_and_batched(arch, tiny_llama_dir, tiny_qwen2_dir):
+    model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    target, runner = make_runner(model_dir)
+    reference = load_model(ModelConfig(str(model_dir), dtype="float32", device="cpu"))
+    config = sched_config(target)
+    expected = [hf_greedy(reference, r.prompt_ids, 24) for r in greedy_requests(target.tokenizer, "x")]
+    batched = run_offline(runner, config, greedy_requests(target.tokenizer, "b"))
+    assert [c.token_ids for c in batched] == expected
+    for i, request in enumerate(greedy_requests(target.tokenizer, "a")):
+        (alone,) = run_offline(runner, config, [request])
+        assert alone.token_ids == expected[i]
+        assert alone.finish_reason is FinishReason.LENGTH
+
+
+def test_seeded_sampling_is_independent_of_the_batch(tiny_llama_dir):
+    target, runner = make_runner(tiny_llama_dir)
+    config = sched_config(target)
+    ids = target.tokenizer("Hello world").input_ids
+
+    def sampled(rid, seed, **kw):
+        return Request(rid, ids, SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True, **kw))
+
+    (alone,) = run_offline(runner, config, [sampled("alone", 1234)])
+    together = run_offline(runner, config, [sampled("n1", 7), sampled("in-batch", 1234), sampled("n2", 8)])
+    assert together[1].token_ids == alone.token_ids
+    assert together[0].token_ids != alone.token_ids  # other seeds, other samples
+    (again,) = run_offline(runner, config, [sampled("again", 1234, presence_penalty=0.0)])
+    assert again.token_ids == alone.token_ids
+
+
+def test_abort_frees_kv_and_many_requests_leave_usage_zero(tiny_llama_dir):
+    target, runner = make_runner(tiny_llama_dir, max_num_seqs=8)
+    config = sched_config(target, max_num_seqs=8)
+    ids = target.tokenizer("The quick brown fox").input_ids
+
+    async def main():
+        engine = AsyncEngine(runner, config)
+        await engine.start()
+        long = Request("long", ids, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        stream = engine.submit(long)
+        received = 0
+        async for out in stream:
+            received += len(out.new_token_ids)
+            if received >= 5:
+                break
+        assert engine.kv_usage > 0
+        stream.abort()
+        async for out in stream:
+            last = out
+        assert last.finish_reason is FinishReason.ABORT
+        assert engine.kv_usage == 0 and engine.num_running == 0
+
+        requests = [
+            Request(f"r{i}", ids, SamplingParams(max_tokens=3 + i % 5, temperature=0.8, ignore_eos=True))
+            for i in range(100)
+        ]
+        results = await asyncio.gather(*(collect(engine, r) for r in requests))
+        assert all(r.finish_reason is FinishReason.LENGTH for r in results)
+        assert engine.kv_usage == 0 and engine.num_running == 0 and engine.num_waiting == 0
+        await engine.stop(timeout=1)
+
+    asyncio.run(main())
+
+
+def test_failures_stay_with_their_request(tiny_llama_dir):
+    target = load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu"))
+    runner = build_runner(
+        target, RunnerConfig(max_num_seqs=4, max_model_len=256, enable_fault_injection=True), ProposerConfig("ngram")
+    )
+    config = sched_config(target)
+    (expected,) = [c.token_ids for c in run_offline(runner, config, greedy_requests(target.tokenizer, "e", n=16)[:1])]
+    good = greedy_requests(target.tokenizer, "g", n=16)
+    bad_raise = Request("raise", good[1].prompt_ids, SamplingParams(max_tokens=8, fault="raise"))
+    bad_nan = Request("nan", good[2].prompt_ids, SamplingParams(max_tokens=8, fault="nan"))
+    results = run_offline(runner, config, [good[0], bad_raise, bad_nan])
+    assert results[0].token_ids == expected and results[0].finish_reason is FinishReason.LENGTH
+    assert results[1].finish_reason is FinishReason.ERROR and "injected" in results[1].error
+    assert results[2].finish_reason is FinishReason.ERROR and "non-finite" in results[2].error
+
+
+@pytest.fixture(scope="module")
+def smollm2(specd_cache_dir):
+    target = load_model(ModelConfig(None, dtype="float32", device="cpu", cache_dir=specd_cache_dir))
+    reference = load_model(ModelConfig(None, dtype="float32", device="cpu", cache_dir=specd_cache_dir))
+    return target, reference
+
+
+def test_smollm2_greedy_matches_hf_generate(smollm2):
+    target, reference = smollm2
+    runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=512), ProposerConfig("ngram"))
+    config = sched_config(target, num_speculative_tokens=4)
+    tok = target.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    expected = [hf_greedy(reference, p, 24) for p in prompts]
+
+    def requests(tag, speculation):
+        return [
+            Request(f"{tag}{i}", p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, speculation=speculation))
+            for i, p in enumerate(prompts)
+        ]
+
+    assert [c.token_ids for c in run_offline(runner, config, requests("plain", False))] == expected
+    spec = run_offline(runner, config, requests("spec", True))
+    assert [c.token_ids for c in spec] == expected
+    assert sum(c.num_draft_tokens for c in spec) > 0
+    (alone,) = run_offline(runner, config, requests("one", True)[:1])
+    assert alone.token_ids == expected[0]
