@@ -1,0 +1,248 @@
+"""Prometheus metrics: the one observer that turns `StepStats` into samples.
+
+The engine fills one `StepStats` per step and hands it to
+`MetricsObserver.observe`; nothing else in specd calls prometheus_client.
+Names follow DESIGN.md ("Metrics"): prefix `specd_`, label `model` on every
+series, speculation counters named as vLLM's so its PromQL carries over.
+prometheus_client appends `_total` to counters, so they are declared without
+it and exposed exactly as `specd_..._total`.
+
+Useful PromQL (sum over pods and methods as needed):
+
+    # acceptance rate: share of draft tokens the target accepted
+    sum(rate(specd_spec_decode_num_accepted_tokens_total[5m]))
+      / sum(rate(specd_spec_decode_num_draft_tokens_total[5m]))
+
+    # mean acceptance length: tokens emitted per verify step that carried a
+    # draft (accepted drafts + the one token the target always adds)
+    1 + sum(rate(specd_spec_decode_num_accepted_tokens_total[5m]))
+      / sum(rate(specd_spec_decode_num_drafts_total[5m]))
+
+    # acceptance at draft position p (share of drafts whose token p survived)
+    sum by (position) (rate(specd_spec_decode_num_accepted_tokens_per_pos_total[5m]))
+      / ignoring(position) group_left sum(rate(specd_spec_decode_num_drafts_total[5m]))
+
+Histogram buckets (`LATENCY_BUCKETS`) run from 1 ms to 10 min, about three
+per decade, so the same dashboards read a GPU (per-token gaps of a few ms)
+and a CPU (seconds per token, minutes per request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
+
+from scheduler.types import FinishedRequestStats, FinishReason, SpecCounts, StepStats
+
+# Seconds: 1 ms .. 10 min, ~1-2-5 per decade plus a few midpoints.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0,
+    20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+
+PHASES = ("prefill", "draft", "verify", "decode")
+MODES = ("spec", "plain")
+SPEC_METHODS = ("ngram", "draft_model", "prediction")
+
+
+class MetricsObserver:
+    """Records engine steps into a private `CollectorRegistry`.
+
+    `spec_methods` and `num_speculative_tokens` only pre-create series at 0
+    (so rates exist before the first draft); other methods and positions
+    appear when first seen.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        spec_methods: Iterable[str] = SPEC_METHODS,
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._declare()
+        self._init_series(spec_methods, num_speculative_tokens)
+
+    def _declare(self) -> None:
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, ("model", *labels), registry=self.registry)
+
+        def histogram(name: str, doc: str, *labels: str, buckets=LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, ("model", *labels), buckets=buckets, registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ("model",), registry=self.registry)
+
+        self._requests = counter("specd_requests", "Finished requests.", "finish_reason")
+        self._prompt_tokens = counter("specd_prompt_tokens", "Prompt tokens prefilled.")
+        self._generation_tokens = counter("specd_generation_tokens", "Tokens generated.")
+        self._num_drafts = counter(
+            "specd_spec_decode_num_drafts", "Verify rows that carried a draft.", "method"
+        )
+        self._num_draft_tokens = counter(
+            "specd_spec_decode_num_draft_tokens", "Draft tokens proposed.", "method"
+        )
+        self._num_accepted_tokens = counter(
+            "specd_spec_decode_num_accepted_tokens", "Draft tokens accepted.", "method"
+        )
+        self._accepted_per_pos = counter(
+            "specd_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position (1..K).",
+            "position",
+        )
+        self._steps = counter("specd_engine_steps", "Engine steps by mode.", "mode")
+
+        self._ttft = histogram("specd_time_to_first_token_seconds", "Time to first token.")
+        self._itl_token = histogram(
+            "specd_inter_token_latency_seconds",
+            "Gap per token: a step emitting n tokens after a gap g records n samples of g/n.",
+        )
+        self._itl_chunk = histogram(
+            "specd_inter_chunk_latency_seconds",
+            "Gap between a request's successive emissions (what a streaming client sees).",
+        )
+        self._tpot = histogram(
+            "specd_time_per_output_token_seconds",
+            "Per request: (e2e - TTFT) / (output tokens - 1).",
+        )
+        self._e2e = histogram(
+            "specd_e2e_request_latency_seconds", "Request latency, arrival to finish."
+        )
+        self._queue = histogram("specd_request_queue_seconds", "Time waiting for admission.")
+        self._step = histogram("specd_step_seconds", "Engine step time by phase.", "phase")
+        self._batch_size = histogram(
+            "specd_batch_size", "Running requests per engine step.", buckets=BATCH_SIZE_BUCKETS
+        )
+
+        self._running = gauge("specd_requests_running", "Requests in the running batch.")
+        self._waiting = gauge("specd_requests_waiting", "Requests waiting for admission.")
+        self._kv_usage = gauge("specd_kv_cache_usage_ratio", "Used / total KV cache capacity.")
+        self._spec_enabled = gauge("specd_spec_enabled", "1 while the last engine step speculated.")
+
+    def _init_series(self, spec_methods: Iterable[str], num_speculative_tokens: int) -> None:
+        model = self.model_name
+        for reason in FinishReason:
+            self._requests.labels(model, reason.value)
+        for counter in (self._prompt_tokens, self._generation_tokens):
+            counter.labels(model)
+        for method in spec_methods:
+            for counter in (self._num_drafts, self._num_draft_tokens, self._num_accepted_tokens):
+                counter.labels(model, method)
+        for position in range(1, num_speculative_tokens + 1):
+            self._accepted_per_pos.labels(model, str(position))
+        for mode in MODES:
+            self._steps.labels(model, mode)
+        for phase in PHASES:
+            self._step.labels(model, phase)
+        for hist in (self._ttft, self._itl_token, self._itl_chunk, self._tpot, self._e2e,
+                     self._queue, self._batch_size):  # fmt: skip
+            hist.labels(model)
+        for gauge in (self._running, self._waiting, self._kv_usage, self._spec_enabled):
+            gauge.labels(model).set(0)
+
+    # -- recording --
+
+    def observe(self, stats: StepStats) -> None:
+        """Record one engine step."""
+        model = self.model_name
+        self._steps.labels(model, stats.mode).inc()
+        self._spec_enabled.labels(model).set(1 if stats.mode == "spec" else 0)
+        self.set_queue_state(stats.num_running, stats.num_waiting, stats.kv_usage)
+        if stats.batch_size > 0:
+            self._batch_size.labels(model).observe(stats.batch_size)
+        self._prompt_tokens.labels(model).inc(stats.num_prompt_tokens)
+        self._generation_tokens.labels(model).inc(stats.num_generation_tokens)
+
+        for method, counts in stats.spec.items():
+            self._observe_spec(method, counts)
+        for index, num_accepted in enumerate(stats.accepted_per_position):
+            self._accepted_per_pos.labels(model, str(index + 1)).inc(num_accepted)
+        for phase, seconds in stats.phase_seconds.items():
+            self._step.labels(model, phase).observe(seconds)
+
+        itl_token = self._itl_token.labels(model)
+        itl_chunk = self._itl_chunk.labels(model)
+        for num_tokens, gap in stats.token_gaps:
+            if num_tokens <= 0:
+                continue
+            itl_chunk.observe(gap)
+            per_token = gap / num_tokens
+            for _ in range(num_tokens):
+                itl_token.observe(per_token)
+
+        for seconds in stats.first_token_latencies:
+            self._ttft.labels(model).observe(seconds)
+        for seconds in stats.queue_seconds:
+            self._queue.labels(model).observe(seconds)
+        for finished in stats.finished:
+            self.record_finished(finished)
+
+    def _observe_spec(self, method: str, counts: SpecCounts) -> None:
+        model = self.model_name
+        self._num_drafts.labels(model, method).inc(counts.num_drafts)
+        self._num_draft_tokens.labels(model, method).inc(counts.num_draft_tokens)
+        self._num_accepted_tokens.labels(model, method).inc(counts.num_accepted_tokens)
+
+    def record_finished(self, finished: FinishedRequestStats) -> None:
+        """Record a finished request: its finish reason, e2e latency and TPOT."""
+        model = self.model_name
+        self._requests.labels(model, FinishReason(finished.finish_reason).value).inc()
+        self._e2e.labels(model).observe(finished.e2e_seconds)
+        ttft = finished.ttft_seconds
+        if ttft is not None and finished.num_output_tokens > 1:
+            tpot = (finished.e2e_seconds - ttft) / (finished.num_output_tokens - 1)
+            self._tpot.labels(model).observe(max(tpot, 0.0))
+
+    def record_aborted_before_start(self, e2e_seconds: float) -> None:
+        """A request that left the waiting queue without running a step."""
+        self.record_finished(
+            FinishedRequestStats(
+                finish_reason=FinishReason.ABORT,
+                e2e_seconds=e2e_seconds,
+                ttft_seconds=None,
+                num_prompt_tokens=0,
+                num_output_tokens=0,
+            )
+        )
+
+    def set_queue_state(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        """Scheduler gauges; also callable between steps (e.g. when idle)."""
+        model = self.model_name
+        self._running.labels(model).set(num_running)
+        self._waiting.labels(model).set(num_waiting)
+        self._kv_usage.labels(model).set(kv_usage)
+
+    # -- exposition --
+
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """Body and content type for GET /metrics.
+
+        Without `accept` (or for any text/plain Accept) this is the classic
+        Prometheus text format 0.0.4; pass the request's Accept header to let
+        a scraper that asks for OpenMetrics get it.
+        """
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(_WithoutCreated(self.registry)), content_type
+
+
+class _WithoutCreated:
+    """A registry view without `*_created` samples.
+
+    The text format would expose them as extra gauge families, and
+    `specd_requests_created` reads like a request counter.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self):
+        for family in self._registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family

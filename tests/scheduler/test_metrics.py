@@ -1,0 +1,272 @@
+"""MetricsObserver: hand-made StepStats in, parsed /metrics text out."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+from scheduler.metrics import LATENCY_BUCKETS, MetricsObserver
+from scheduler.types import FinishedRequestStats, FinishReason, SpecCounts, StepStats
+
+MODEL = "tiny-llama"
+
+# DESIGN.md "Metrics": exposed name -> (type, labels besides `model`).
+DESIGN_METRICS = {
+    "specd_requests_total": ("counter", {"finish_reason"}),
+    "specd_prompt_tokens_total": ("counter", set()),
+    "specd_generation_tokens_total": ("counter", set()),
+    "specd_spec_decode_num_drafts_total": ("counter", {"method"}),
+    "specd_spec_decode_num_draft_tokens_total": ("counter", {"method"}),
+    "specd_spec_decode_num_accepted_tokens_total": ("counter", {"method"}),
+    "specd_spec_decode_num_accepted_tokens_per_pos_total": ("counter", {"position"}),
+    "specd_engine_steps_total": ("counter", {"mode"}),
+    "specd_time_to_first_token_seconds": ("histogram", set()),
+    "specd_inter_token_latency_seconds": ("histogram", set()),
+    "specd_inter_chunk_latency_seconds": ("histogram", set()),
+    "specd_time_per_output_token_seconds": ("histogram", set()),
+    "specd_e2e_request_latency_seconds": ("histogram", set()),
+    "specd_request_queue_seconds": ("histogram", set()),
+    "specd_step_seconds": ("histogram", {"phase"}),
+    "specd_batch_size": ("histogram", set()),
+    "specd_requests_running": ("gauge", set()),
+    "specd_requests_waiting": ("gauge", set()),
+    "specd_kv_cache_usage_ratio": ("gauge", set()),
+    "specd_spec_enabled": ("gauge", set()),
+}
+
+
+def spec_step() -> StepStats:
+    """Two rows speculating with K=3 (ngram) and one with K=2 (draft model)."""
+    return StepStats(
+        step_seconds=0.05,
+        batch_size=3,
+        num_running=3,
+        num_waiting=2,
+        kv_usage=0.25,
+        mode="spec",
+        num_prompt_tokens=0,
+        num_generation_tokens=7,
+        spec={
+            "ngram": SpecCounts(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=3),
+            "draft_model": SpecCounts(num_drafts=1, num_draft_tokens=2, num_accepted_tokens=1),
+        },
+        accepted_per_position=[3, 1, 0],
+        phase_seconds={"draft": 0.01, "verify": 0.04},
+        token_gaps=[(3, 0.3), (1, 0.05), (3, 0.06)],
+        finished=[
+            FinishedRequestStats(FinishReason.STOP, e2e_seconds=2.0, ttft_seconds=0.5,
+                                 num_prompt_tokens=5, num_output_tokens=4),
+        ],
+    )  # fmt: skip
+
+
+def plain_step() -> StepStats:
+    """A prefill of two new requests (first tokens) beside one decode row."""
+    return StepStats(
+        step_seconds=0.2,
+        batch_size=3,
+        num_running=3,
+        num_waiting=0,
+        kv_usage=0.5,
+        mode="plain",
+        num_prompt_tokens=11,
+        num_generation_tokens=3,
+        phase_seconds={"prefill": 0.15, "decode": 0.05},
+        token_gaps=[(1, 0.2)],
+        first_token_latencies=[0.2, 0.3],
+        queue_seconds=[0.01, 0.02],
+        finished=[
+            FinishedRequestStats(FinishReason.LENGTH, e2e_seconds=1.0, ttft_seconds=1.0,
+                                 num_prompt_tokens=3, num_output_tokens=1),
+        ],
+    )  # fmt: skip
+
+
+def families(observer: MetricsObserver) -> dict:
+    body, content_type = observer.render()
+    assert content_type.startswith("text/plain")
+    return {f.name: f for f in text_string_to_metric_families(body.decode())}
+
+
+def value(fams: dict, sample_name: str, **labels: str) -> float:
+    """The value of the one sample named `sample_name` whose labels include `labels`."""
+    family_name = sample_name.removesuffix("_total")
+    for suffix in ("_bucket", "_count", "_sum"):
+        if family_name.endswith(suffix) and family_name not in fams:
+            family_name = family_name.removesuffix(suffix)
+    hits = [
+        s.value
+        for s in fams[family_name].samples
+        if s.name == sample_name and labels.items() <= s.labels.items()
+    ]
+    assert len(hits) == 1, (sample_name, labels, hits)
+    return hits[0]
+
+
+@pytest.fixture
+def observer() -> MetricsObserver:
+    return MetricsObserver(MODEL, num_speculative_tokens=3)
+
+
+def test_every_design_metric_is_exposed_with_its_type_and_labels(observer):
+    observer.observe(spec_step())
+    observer.observe(plain_step())
+    fams = families(observer)
+    for name, (kind, labels) in DESIGN_METRICS.items():
+        family = fams.get(name.removesuffix("_total") if kind == "counter" else name)
+        assert family is not None, f"{name} missing"
+        assert family.type == kind, name
+        assert family.samples, name
+        for sample in family.samples:
+            if kind == "counter":
+                assert sample.name == name  # exposed exactly as DESIGN names it
+            assert sample.labels["model"] == MODEL
+            extra = set(sample.labels) - {"model", "le"}
+            assert extra == labels, (name, sample.labels)
+
+
+def test_series_exist_at_zero_before_the_first_step(observer):
+    fams = families(observer)
+    assert set(DESIGN_METRICS) <= {
+        f.name + "_total" if f.type == "counter" else f.name for f in fams.values()
+    }
+    for reason in ("stop", "length", "abort", "error"):
+        assert value(fams, "specd_requests_total", finish_reason=reason) == 0
+    for position in ("1", "2", "3"):
+        per_pos = "specd_spec_decode_num_accepted_tokens_per_pos_total"
+        assert value(fams, per_pos, position=position) == 0
+    for phase in ("prefill", "draft", "verify", "decode"):
+        assert value(fams, "specd_step_seconds_count", phase=phase) == 0
+    assert value(fams, "specd_spec_decode_num_draft_tokens_total", method="ngram") == 0
+    assert not any(s.name.endswith("_created") for f in fams.values() for s in f.samples)
+
+
+def test_counters_move_by_the_step_amounts(observer):
+    observer.observe(spec_step())
+    observer.observe(plain_step())
+    fams = families(observer)
+    assert value(fams, "specd_prompt_tokens_total") == 11
+    assert value(fams, "specd_generation_tokens_total") == 10
+    assert value(fams, "specd_engine_steps_total", mode="spec") == 1
+    assert value(fams, "specd_engine_steps_total", mode="plain") == 1
+    assert value(fams, "specd_requests_total", finish_reason="stop") == 1
+    assert value(fams, "specd_requests_total", finish_reason="length") == 1
+    assert value(fams, "specd_requests_total", finish_reason="abort") == 0
+
+    spec = {"method": "ngram"}
+    assert value(fams, "specd_spec_decode_num_drafts_total", **spec) == 2
+    assert value(fams, "specd_spec_decode_num_draft_tokens_total", **spec) == 6
+    assert value(fams, "specd_spec_decode_num_accepted_tokens_total", **spec) == 3
+    spec = {"method": "draft_model"}
+    assert value(fams, "specd_spec_decode_num_drafts_total", **spec) == 1
+    assert value(fams, "specd_spec_decode_num_draft_tokens_total", **spec) == 2
+    assert value(fams, "specd_spec_decode_num_accepted_tokens_total", **spec) == 1
+    assert value(fams, "specd_spec_decode_num_draft_tokens_total", method="prediction") == 0
+    per_pos = [
+        value(fams, "specd_spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+        for p in (1, 2, 3)
+    ]
+    assert per_pos == [3, 1, 0]
+    # Per-position counts add up to the accepted tokens of all methods.
+    assert sum(per_pos) == 3 + 1
+
+
+def test_latency_histograms(observer):
+    observer.observe(spec_step())
+    observer.observe(plain_step())
+    fams = families(observer)
+
+    # Per token: (3, 0.3) -> 3 x 0.1, (1, 0.05), (3, 0.06) -> 3 x 0.02, (1, 0.2).
+    assert value(fams, "specd_inter_token_latency_seconds_count") == 8
+    assert value(fams, "specd_inter_token_latency_seconds_sum") == pytest.approx(0.61)
+    assert value(fams, "specd_inter_token_latency_seconds_bucket", le="0.02") == 3
+    assert value(fams, "specd_inter_token_latency_seconds_bucket", le="0.05") == 4
+    # Per chunk: one sample per emission, the whole gap.
+    assert value(fams, "specd_inter_chunk_latency_seconds_count") == 4
+    assert value(fams, "specd_inter_chunk_latency_seconds_sum") == pytest.approx(0.61)
+    assert value(fams, "specd_inter_chunk_latency_seconds_bucket", le="0.05") == 1
+
+    assert value(fams, "specd_time_to_first_token_seconds_count") == 2
+    assert value(fams, "specd_time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert value(fams, "specd_request_queue_seconds_count") == 2
+    assert value(fams, "specd_e2e_request_latency_seconds_count") == 2
+    assert value(fams, "specd_e2e_request_latency_seconds_sum") == pytest.approx(3.0)
+    # TPOT only for the request with > 1 token: (2.0 - 0.5) / (4 - 1).
+    assert value(fams, "specd_time_per_output_token_seconds_count") == 1
+    assert value(fams, "specd_time_per_output_token_seconds_sum") == pytest.approx(0.5)
+
+    assert value(fams, "specd_step_seconds_count", phase="prefill") == 1
+    assert value(fams, "specd_step_seconds_count", phase="decode") == 1
+    assert value(fams, "specd_step_seconds_sum", phase="verify") == pytest.approx(0.04)
+    assert value(fams, "specd_batch_size_count") == 2
+    assert value(fams, "specd_batch_size_sum") == 6
+
+
+def test_buckets_resolve_milliseconds_to_minutes(observer):
+    assert LATENCY_BUCKETS[0] <= 0.001 and LATENCY_BUCKETS[-1] >= 300
+    assert list(LATENCY_BUCKETS) == sorted(set(LATENCY_BUCKETS))
+    # No gap wider than 2.5x between neighbours: quantiles stay within a bucket's width.
+    assert max(b / a for a, b in zip(LATENCY_BUCKETS, LATENCY_BUCKETS[1:])) <= 2.5
+    fams = families(observer)
+    les = [s.labels["le"] for s in fams["specd_time_to_first_token_seconds"].samples
+           if s.name.endswith("_bucket")]  # fmt: skip
+    assert les[0] == "0.001" and les[-1] == "+Inf"
+
+
+def test_gauges_follow_the_last_step_and_queue_state(observer):
+    observer.observe(spec_step())
+    fams = families(observer)
+    assert value(fams, "specd_spec_enabled") == 1
+    assert value(fams, "specd_requests_waiting") == 2
+    observer.observe(plain_step())
+    fams = families(observer)
+    assert value(fams, "specd_spec_enabled") == 0
+    assert value(fams, "specd_requests_running") == 3
+    assert value(fams, "specd_requests_waiting") == 0
+    assert value(fams, "specd_kv_cache_usage_ratio") == 0.5
+    observer.set_queue_state(num_running=0, num_waiting=4, kv_usage=0.0)
+    fams = families(observer)
+    assert value(fams, "specd_requests_running") == 0
+    assert value(fams, "specd_requests_waiting") == 4
+
+
+def test_abort_before_start_and_zero_token_rows(observer):
+    observer.record_aborted_before_start(e2e_seconds=0.7)
+    observer.observe(
+        StepStats(step_seconds=0.01, batch_size=0, num_running=0, num_waiting=0,
+                  kv_usage=0.0, mode="plain", token_gaps=[(0, 0.5)])
+    )  # fmt: skip
+    fams = families(observer)
+    assert value(fams, "specd_requests_total", finish_reason="abort") == 1
+    assert value(fams, "specd_e2e_request_latency_seconds_sum") == pytest.approx(0.7)
+    assert value(fams, "specd_time_per_output_token_seconds_count") == 0
+    assert value(fams, "specd_inter_chunk_latency_seconds_count") == 0
+    assert value(fams, "specd_batch_size_count") == 0  # an idle step is not a batch
+
+
+def test_new_positions_and_methods_appear_when_first_seen():
+    observer = MetricsObserver(MODEL, spec_methods=(), num_speculative_tokens=0)
+    step = spec_step()
+    step.spec = {"prediction": SpecCounts(1, 5, 5)}
+    step.accepted_per_position = [1, 1, 1, 1, 1]
+    observer.observe(step)
+    fams = families(observer)
+    assert value(fams, "specd_spec_decode_num_accepted_tokens_total", method="prediction") == 5
+    assert value(fams, "specd_spec_decode_num_accepted_tokens_per_pos_total", position="5") == 1
+    methods = {s.labels["method"] for s in fams["specd_spec_decode_num_drafts"].samples}
+    assert methods == {"prediction"}
+
+
+def test_observers_have_separate_registries_and_openmetrics():
+    first, second = MetricsObserver("a"), MetricsObserver("b")
+    first.observe(spec_step())
+    assert value(families(first), "specd_generation_tokens_total", model="a") == 7
+    assert value(families(second), "specd_generation_tokens_total", model="b") == 0
+    body, content_type = first.render("application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    fams = {f.name: f for f in parse_openmetrics(body.decode())}
+    assert fams["specd_spec_decode_num_draft_tokens"].type == "counter"
+    assert not math.isnan(fams["specd_spec_enabled"].samples[0].value)
