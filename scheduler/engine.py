@@ -101,6 +101,16 @@ class AsyncEngine:
 
     # -- lifecycle --
     async def start(self) -> None:
+        spec = self.config.spec
+        logger.info(
+            "speculation: proposer=%s num_speculative_tokens=%d spec_disable_batch_size=%d adaptive=%s "
+            "(auto rows speculate while at most %d requests run; 0 = never)",
+            self.executor.proposer_name,
+            spec.num_speculative_tokens,
+            spec.spec_disable_batch_size,
+            spec.adaptive,
+            spec.spec_disable_batch_size,
+        )
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="specd-engine")
 

@@ -1,0 +1,119 @@
+"""Engine benchmark: throughput vs batch size and speculation vs prompt kind.
+
+    python -m benchmarks.engine_bench                      # both sections, fp32 and bf16
+    python -m benchmarks.engine_bench --section batch --dtypes bfloat16
+    python -m benchmarks.engine_bench --section spec --max-tokens 128
+
+Greedy, ignore_eos, so every configuration generates the same number of tokens.
+Every ratio is against a baseline measured in the same run on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import chat_ids, engine_run, hf_run, load, table
+from benchmarks.make_draft import make_layer_draft
+from benchmarks.prompts import KINDS
+
+
+def batch_section(dtype: str, sizes: list[int], max_tokens: int, model: str | None) -> tuple[str, list[dict]]:
+    target = load(dtype, model)
+    reference = load(dtype, model)
+    prompts = [chat_ids(target, p) for kind in KINDS.values() for p in kind]
+    engine_run(target, prompts[:2], 8)  # warm-up
+    hf_run(reference, prompts[:1], 8, "warm")
+    hf1 = hf_run(reference, prompts[:1], max_tokens, "HF generate, batch 1")
+    rows, records = [], []
+    base = None
+    for n in sizes:
+        batch = [prompts[i % len(prompts)] for i in range(n)]
+        result = engine_run(target, batch, max_tokens, speculation=False, name=f"engine, {n} seqs")
+        base = base or result.tokens_per_second
+        hf = hf_run(reference, batch, max_tokens, f"HF generate, batch {n}") if n in (1, 8) else None
+        rows.append([
+            n,
+            result.tokens_per_second,
+            result.tokens_per_second / base,
+            result.tokens_per_second / hf1.tokens_per_second,
+            hf.tokens_per_second if hf else None,
+            hf.tokens_per_second / hf1.tokens_per_second if hf else None,
+        ])
+        records.append({"dtype": dtype, "seqs": n, "engine_tps": result.tokens_per_second, "hf_tps": hf.tokens_per_second if hf else None})
+    headers = ["seqs", "engine tok/s", "vs engine@1", "vs HF@1", "HF generate tok/s", "HF vs HF@1"]
+    text = f"### Throughput vs concurrency ({dtype}, {max_tokens} new tokens, spec off)\n\n" + table(headers, rows)
+    text += f"\n\nHF generate batch 1: {hf1.tokens_per_second:.2f} tok/s"
+    return text, records
+
+
+def spec_section(dtype: str, max_tokens: int, model: str | None, draft_layers: int) -> tuple[str, list[dict]]:
+    target = load(dtype, model)
+    reference = load(dtype, model)
+    draft_dir = make_layer_draft(model, draft_layers)
+    rows, records = [], []
+    for kind, prompts in KINDS.items():
+        for i, prompt in enumerate(prompts):
+            ids = [chat_ids(target, prompt)]
+            tag = f"{kind}#{i}"
+            off = engine_run(target, ids, max_tokens, speculation=False, name="off")
+            results = [
+                off,
+                engine_run(target, ids, max_tokens, "ngram", speculation="auto", name="ngram auto"),
+                engine_run(target, ids, max_tokens, "ngram", speculation=True, k=4, name="ngram K=4"),
+                engine_run(target, ids, max_tokens, "ngram", speculation=True, k=10, name="ngram K=10"),
+                engine_run(target, ids, max_tokens, "draft_model", str(draft_dir), speculation=True, k=4, name=f"draft {draft_layers}L K=4"),
+                engine_run(target, ids, max_tokens, "draft_model", str(draft_dir), speculation="auto", name=f"draft {draft_layers}L auto"),
+            ]
+            hf_plain = hf_run(reference, ids, max_tokens, "HF generate")
+            for n in (3, 5, 10):
+                r = hf_run(reference, ids, max_tokens, f"HF prompt lookup {n}", prompt_lookup_num_tokens=n)
+                results.append(r)
+            for r in results:
+                mean_len = r.num_tokens / r.num_steps if r.num_steps else None
+                rows.append([tag, r.name, r.tokens_per_second, r.tokens_per_second / off.tokens_per_second,
+                             r.tokens_per_second / hf_plain.tokens_per_second, r.acceptance, mean_len])
+                records.append({"dtype": dtype, "prompt": tag, "config": r.name, "tps": r.tokens_per_second,
+                                "vs_off": r.tokens_per_second / off.tokens_per_second, "acceptance": r.acceptance,
+                                "tokens_per_step": mean_len})
+            gc.collect()
+    headers = ["prompt", "config", "tok/s", "vs spec off", "vs HF generate", "acceptance", "tokens/step"]
+    text = f"### Speculation at batch 1 ({dtype}, {max_tokens} new tokens)\n\n" + table(headers, rows)
+    return text, records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--section", choices=["batch", "spec", "all"], default="all")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to run")
+    parser.add_argument("--batch-sizes", default="1,4,8,16")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--model", default=None, help="target model (default: bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft-layers", type=int, default=8, help="layers kept in the truncated draft")
+    parser.add_argument("--json", type=Path, default=None, help="also write the records here")
+    args = parser.parse_args()
+
+    print(f"# specd engine benchmark — {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}\n")
+    records = []
+    for dtype in args.dtypes.split(","):
+        if args.section in ("batch", "all"):
+            text, rec = batch_section(dtype, [int(x) for x in args.batch_sizes.split(",")], args.max_tokens, args.model)
+            print(text + "\n", flush=True)
+            records += rec
+        if args.section in ("spec", "all"):
+            text, rec = spec_section(dtype, args.max_tokens, args.model, args.draft_layers)
+            print(text + "\n", flush=True)
+            records += rec
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()
