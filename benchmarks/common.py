@@ -39,8 +39,8 @@ def chat_ids(target: LoadedModel, prompt: str) -> list[int]:
     return ids if isinstance(ids, list) else ids["input_ids"]
 
 
-def load(dtype: str, model: str | None = None) -> LoadedModel:
-    return load_model(ModelConfig(model, dtype=dtype, device="cpu"))
+def load(dtype: str, model: str | None = None, device: str = "cpu") -> LoadedModel:
+    return load_model(ModelConfig(model, dtype=dtype, device=device))
 
 
 def engine_run(
@@ -90,14 +90,22 @@ def hf_run(reference: LoadedModel, prompts: list[list[int]], max_tokens: int, na
     tok = reference.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else reference.eos_token_ids[0]
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    device = reference.device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    _sync(device)
     start = time.perf_counter()
     out = reference.model.generate(
         ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, **generate
     )
+    _sync(device)
     seconds = time.perf_counter() - start
     return RunResult(name, (out.shape[1] - width) * len(prompts), seconds)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def table(headers: list[str], rows: list[list]) -> str:

@@ -24,9 +24,9 @@ from benchmarks.make_draft import make_layer_draft
 from benchmarks.prompts import KINDS
 
 
-def batch_section(dtype: str, sizes: list[int], max_tokens: int, model: str | None) -> tuple[str, list[dict]]:
-    target = load(dtype, model)
-    reference = load(dtype, model)
+def batch_section(dtype: str, sizes: list[int], max_tokens: int, model: str | None, device: str) -> tuple[str, list[dict]]:
+    target = load(dtype, model, device)
+    reference = load(dtype, model, device)
     prompts = [chat_ids(target, p) for kind in KINDS.values() for p in kind]
     engine_run(target, prompts[:2], 8)  # warm-up
     hf_run(reference, prompts[:1], 8, "warm")
@@ -53,9 +53,9 @@ def batch_section(dtype: str, sizes: list[int], max_tokens: int, model: str | No
     return text, records
 
 
-def spec_section(dtype: str, max_tokens: int, model: str | None, draft_layers: int) -> tuple[str, list[dict]]:
-    target = load(dtype, model)
-    reference = load(dtype, model)
+def spec_section(dtype: str, max_tokens: int, model: str | None, draft_layers: int, device: str) -> tuple[str, list[dict]]:
+    target = load(dtype, model, device)
+    reference = load(dtype, model, device)
     draft_dir = make_layer_draft(model, draft_layers)
     rows, records = [], []
     for kind, prompts in KINDS.items():
@@ -95,20 +95,21 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,4,8,16")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--model", default=None, help="target model (default: bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--draft-layers", type=int, default=8, help="layers kept in the truncated draft")
     parser.add_argument("--json", type=Path, default=None, help="also write the records here")
     args = parser.parse_args()
 
-    print(f"# specd engine benchmark — {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}\n")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    print(f"# specd engine benchmark — {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n")
     records = []
     for dtype in args.dtypes.split(","):
         if args.section in ("batch", "all"):
-            text, rec = batch_section(dtype, [int(x) for x in args.batch_sizes.split(",")], args.max_tokens, args.model)
+            text, rec = batch_section(dtype, [int(x) for x in args.batch_sizes.split(",")], args.max_tokens, args.model, args.device)
             print(text + "\n", flush=True)
             records += rec
         if args.section in ("spec", "all"):
-            text, rec = spec_section(dtype, args.max_tokens, args.model, args.draft_layers)
+            text, rec = spec_section(dtype, args.max_tokens, args.model, args.draft_layers, args.device)
             print(text + "\n", flush=True)
             records += rec
     if args.json:

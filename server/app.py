@@ -1,0 +1,186 @@
+"""The FastAPI app: the one place where model, runner, engine and metrics are wired.
+
+The HTTP server comes up at once; the model loads in a worker thread behind
+it, so `/health` answers 200 while `/ready` (and every /v1 generation call)
+answers 503 until the engine runs. SIGTERM sets `draining` (new requests get
+503), uvicorn lets running requests finish for `--shutdown-timeout`, and the
+lifespan's exit stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
+
+from scheduler.engine import AsyncEngine
+from scheduler.metrics import MetricsObserver
+from scheduler.policy import SpecConfig
+from scheduler.scheduler import SchedulerConfig
+from server.config import DEFAULT_MAX_MODEL_LEN, Settings
+from server.errors import install_error_handlers
+from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
+from server.routes import router
+from server.serving import ServingContext
+
+logger = logging.getLogger("specd.server")
+
+VERSION = "0.1.0"
+
+
+@dataclass
+class Components:
+    """What `build_components` loads (blocking): the runner and the engine's configuration."""
+
+    loaded: object  # models.loader.LoadedModel
+    runner: object  # models.runner.ModelRunner
+    scheduler_config: SchedulerConfig
+
+
+def build_components(settings: Settings) -> Components:
+    """Load the target (and draft) and build the runner. Slow; run it off the event loop."""
+    from models.builder import ProposerConfig, build_runner
+    from models.loader import ModelConfig, load_model
+    from models.runner import RunnerConfig
+
+    loaded = load_model(
+        ModelConfig(
+            model=settings.model,
+            dtype=settings.dtype,
+            device=settings.device,
+            cache_dir=settings.cache_dir,
+            revision=settings.revision,
+            trust_remote_code=settings.trust_remote_code,
+        )
+    )
+    max_model_len = settings.max_model_len or min(DEFAULT_MAX_MODEL_LEN, loaded.max_position_embeddings)
+    runner = build_runner(
+        loaded,
+        RunnerConfig(
+            max_num_seqs=settings.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_fault_injection=settings.enable_fault_injection,
+        ),
+        ProposerConfig(method=settings.draft, draft_model=settings.draft_model),
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=settings.max_num_seqs,
+        max_model_len=runner.config.max_model_len,
+        max_num_batched_tokens=settings.num_batched_tokens,
+        max_queue=settings.max_queue,
+        eos_token_ids=loaded.eos_token_ids,
+        spec=SpecConfig(
+            num_speculative_tokens=settings.num_speculative_tokens,
+            spec_disable_batch_size=settings.spec_disable_batch_size,
+            adaptive=settings.spec_adaptive,
+        ),
+    )
+    return Components(loaded, runner, scheduler_config)
+
+
+def served_names(settings: Settings) -> list[str]:
+    if settings.served_model_name:
+        return settings.served_model_name
+    if settings.model:
+        return [settings.model]
+    from models.loader import DEFAULT_MODEL_ID
+
+    return [DEFAULT_MODEL_ID]
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    metrics: MetricsObserver
+    names: list[str]
+    on_fatal: Callable[[], None] | None = None
+    serving: ServingContext | None = None
+    engine: AsyncEngine | None = None
+    load_error: str | None = None
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+
+    async def start_engine(self) -> None:
+        settings = self.settings
+        try:
+            components = await asyncio.to_thread(build_components, settings)
+        except Exception as exc:  # noqa: BLE001 - any load failure ends the process with a message
+            self.load_error = str(exc)
+            logger.error("cannot start: %s", exc)
+            if self.on_fatal:
+                self.on_fatal()
+            return
+        engine = AsyncEngine(components.runner, components.scheduler_config, observer=self.metrics.observe)
+        await engine.start()
+        self.engine = engine
+        loaded = components.loaded
+        fingerprint = f"{VERSION}:{loaded.model_id}:{loaded.dtype}:{engine.executor.proposer_name}"
+        self.serving = ServingContext(
+            engine=engine,
+            tokenizer=loaded.tokenizer,
+            model_id=loaded.model_id,
+            served_names=self.names,
+            max_model_len=components.scheduler_config.max_model_len,
+            vocab_size=loaded.vocab_size,
+            system_fingerprint="fp_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:10],
+            enable_fault_injection=settings.enable_fault_injection,
+            shutdown_timeout=settings.shutdown_timeout,
+        )
+        logger.info(
+            "ready: serving %s as %s (max_model_len=%d, max_num_seqs=%d)",
+            loaded.model_id,
+            ", ".join(self.names),
+            components.scheduler_config.max_model_len,
+            settings.max_num_seqs,
+        )
+
+    async def stop_engine(self) -> None:
+        self.draining = True
+        if self.engine is not None:
+            # uvicorn has already waited --shutdown-timeout for open requests; abort what is left.
+            await self.engine.stop(timeout=1.0)
+            self.metrics.set_queue_state(0, 0, 0.0)
+
+
+def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """`on_fatal` is called if the model cannot be loaded (the CLI then exits 1)."""
+    names = served_names(settings)
+    metrics = MetricsObserver(names[0], num_speculative_tokens=settings.num_speculative_tokens)
+    state = AppState(settings=settings, metrics=metrics, names=names, on_fatal=on_fatal)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(state.start_engine(), name="specd-load")
+        try:
+            yield
+        finally:
+            state.draining = True
+            if not loading.done():
+                loading.cancel()  # a load thread cannot be interrupted: the process exits once it returns
+            await asyncio.gather(loading, return_exceptions=True)
+            await state.stop_engine()
+
+    app = FastAPI(title="specd", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.specd = state
+    install_error_handlers(app)
+    app.include_router(router)
+    # Added innermost first: CORS sees requests first (preflights need no key).
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key_value:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key_value, protect_metrics=settings.metrics_auth)
+    app.add_middleware(RequestLogMiddleware)
+    if settings.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+        )
+    return app

@@ -1,0 +1,298 @@
+"""Choices: one output sequence each, from engine stream to the text a client sees.
+
+A `Choice` owns its engine stream and the text state that turns token ids
+into what the client may see: incremental detokenization, stop-string
+holdback, and logprobs released together with their text. `run_choices`
+merges the choices of one request (`n`, several prompts) into one sequence of
+updates; `collect` (JSON body) and `sse_stream` (SSE body) consume it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sse_starlette import EventSourceResponse
+
+from scheduler.engine import RequestStream
+from scheduler.types import FinishReason, RequestOutput
+from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from server.errors import APIError, EngineError
+from server.protocol import CompletionTokensDetails, SamplingFields, Usage
+
+if TYPE_CHECKING:
+    from server.serving import RequestRecord, ServingContext
+
+logger = logging.getLogger("specd.server")
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def stream_flags(req: SamplingFields) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats)."""
+    options = req.stream_options
+    if options is None or not options.include_usage:
+        return False, False
+    return True, options.continuous_usage_stats
+
+
+@dataclass
+class TokenInfo:
+    """A generated token with its logprobs; its text spans [start, end) of the choice's text."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    start: int
+    end: int
+
+
+@dataclass
+class ChoiceUpdate:
+    index: int
+    text: str
+    tokens: list[TokenInfo]
+    finish_reason: str | None
+
+
+class Choice:
+    """One output sequence: an engine stream and the text the client has seen."""
+
+    def __init__(
+        self,
+        index: int,
+        stream: RequestStream,
+        ctx: ServingContext,
+        req: SamplingFields,
+        prompt_ids: list[int],
+    ):
+        self.index = index
+        self.stream = stream
+        self.want_logprobs = stream.request.params.logprobs is not None
+        self.has_prediction = stream.request.prediction_ids is not None
+        self._detokenizer = IncrementalDetokenizer(ctx.tokenizer, prompt_ids, req.skip_special_tokens)
+        self._stops = StopStringMatcher(req.stop or [], req.include_stop_str_in_output)
+        self._pending: list[TokenInfo] = []
+        self._num_decoded = 0  # characters decoded (shown or held back)
+        self.num_shown = 0  # characters released to the client
+        self.last: RequestOutput | None = None
+        self.finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, out: RequestOutput) -> ChoiceUpdate | None:
+        """Apply one engine output; None when there is nothing to send yet."""
+        self.last = out
+        if out.finished and out.finish_reason is FinishReason.ERROR:
+            self.finish_reason = "error"
+            raise EngineError(f"the engine failed this request: {out.error or 'unknown error'}", code="engine_error")
+        piece = self._detokenizer.push(out.new_token_ids) if out.new_token_ids else ""
+        if out.finished:
+            piece += self._detokenizer.flush()
+        if self.want_logprobs and out.new_token_ids:
+            self._remember_tokens(out, self._num_decoded, self._num_decoded + len(piece))
+        self._num_decoded += len(piece)
+
+        text, matched = self._stops.push(piece)
+        if matched:
+            self.finish_reason = "stop"
+            self.stream.abort()
+        elif out.finished:
+            text += self._stops.flush()
+            self.finish_reason = out.finish_reason.value if out.finish_reason else "stop"
+        self.num_shown += len(text)
+        tokens = self._release_tokens()
+        if not text and not tokens and self.finish_reason is None:
+            return None
+        return ChoiceUpdate(self.index, text, tokens, self.finish_reason)
+
+    def _remember_tokens(self, out: RequestOutput, start: int, end: int) -> None:
+        tops = out.new_top_logprobs or [[] for _ in out.new_token_ids]
+        logprobs = out.new_logprobs or [0.0] * len(out.new_token_ids)
+        for token_id, logprob, top in zip(out.new_token_ids, logprobs, tops):
+            self._pending.append(TokenInfo(token_id, logprob, top or [], start, end))
+
+    def _release_tokens(self) -> list[TokenInfo]:
+        """Tokens whose text has been shown; at the end, those that contributed to it."""
+        if not self._pending:
+            return []
+        if self.finish_reason is None:
+            n = next((i for i, t in enumerate(self._pending) if t.end > self.num_shown), len(self._pending))
+        elif self.finish_reason == "stop":
+            n = sum(1 for t in self._pending if t.start < self.num_shown)
+        else:
+            n = len(self._pending)
+        released, self._pending = self._pending[:n], self._pending[n:]
+        return released
+
+    def usage_details(self) -> tuple[int, int]:
+        """(accepted, rejected) speculation tokens for `completion_tokens_details`.
+
+        With a `prediction`: OpenAI's meaning, prediction tokens the output
+        kept / discarded. Without: the speculative drafts of this request
+        (accepted draft tokens / proposed but rejected ones).
+        """
+        out = self.last
+        if out is None:
+            return 0, 0
+        if self.has_prediction:
+            return out.num_prediction_accepted, out.num_prediction_rejected
+        return out.num_accepted_tokens, out.num_draft_tokens - out.num_accepted_tokens
+
+
+async def run_choices(choices: list[Choice], record: RequestRecord) -> AsyncIterator[ChoiceUpdate]:
+    """Updates from every choice, in the order the engine produced them, until all finish."""
+    if len(choices) == 1:
+        choice = choices[0]
+        async for out in choice.stream:
+            if out.new_token_ids and record.first_token is None:
+                record.first_token = time.monotonic()
+            update = choice.update(out)
+            if update is not None:
+                yield update
+            if choice.finished:
+                return
+        return
+
+    queue: asyncio.Queue[tuple[Choice, RequestOutput]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        async for out in choice.stream:
+            queue.put_nowait((choice, out))
+
+    pumps = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        while not all(c.finished for c in choices):
+            choice, out = await queue.get()
+            if choice.finished:
+                continue
+            if out.new_token_ids and record.first_token is None:
+                record.first_token = time.monotonic()
+            update = choice.update(out)
+            if update is not None:
+                yield update
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+def abort_all(choices: list[Choice]) -> None:
+    for choice in choices:
+        choice.stream.abort()
+
+
+def usage_of(choices: list[Choice], num_prompt_tokens: int) -> Usage:
+    completion = accepted = rejected = 0
+    for choice in choices:
+        if choice.last is not None:
+            completion += choice.last.num_output_tokens
+        a, r = choice.usage_details()
+        accepted += a
+        rejected += r
+    return Usage(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=num_prompt_tokens + completion,
+        completion_tokens_details=CompletionTokensDetails(
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected
+        ),
+    )
+
+
+async def collect(choices: list[Choice], record: RequestRecord) -> dict[int, "Collected"]:
+    """Run a non-streamed request to the end: each choice's text, tokens and finish reason."""
+    results = {c.index: Collected() for c in choices}
+    try:
+        async for update in run_choices(choices, record):
+            result = results[update.index]
+            result.text.append(update.text)
+            result.tokens += update.tokens
+            result.finish_reason = update.finish_reason or result.finish_reason
+    finally:
+        abort_all(choices)
+        record.add_choices(choices)
+    return results
+
+
+@dataclass
+class Collected:
+    text: list[str] = field(default_factory=list)
+    tokens: list[TokenInfo] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def sse_stream(
+    choices: list[Choice],
+    record: RequestRecord,
+    opening: list[bytes],
+    render: Callable[[ChoiceUpdate | None, Usage | None], bytes],
+    req: SamplingFields,
+    num_prompt_tokens: int,
+) -> AsyncIterator[bytes]:
+    """SSE body: `opening` chunks, one chunk per update, the usage chunk, `[DONE]`.
+
+    `render(None, usage)` is the usage chunk. An engine failure after the
+    headers went out is sent as an error event (the OpenAI SDKs raise it).
+    """
+    include_usage, continuous = stream_flags(req)
+    try:
+        for chunk in opening:
+            yield chunk
+        async for update in run_choices(choices, record):
+            yield render(update, usage_of(choices, num_prompt_tokens) if continuous else None)
+        if include_usage:
+            yield render(None, usage_of(choices, num_prompt_tokens))
+    except APIError as exc:
+        record.status = exc.status_code
+        yield sse_error(exc)
+    except (asyncio.CancelledError, GeneratorExit):  # the client left (or shutdown cut the stream)
+        record.status = 499
+        raise
+    except Exception:  # noqa: BLE001 - the headers are sent: report in-band, never a traceback
+        logger.exception("stream %s failed", record.request_id)
+        record.status = 500
+        yield sse_error(EngineError("internal server error", code="internal_error"))
+    finally:
+        abort_all(choices)
+        record.add_choices(choices)
+    yield SSE_DONE
+
+
+class SSEResponse(EventSourceResponse):
+    """`text/event-stream` with OpenAI's framing; its engine requests are aborted however it ends.
+
+    The body generator aborts them when it closes, but a client that leaves
+    before the body starts never runs it. On SIGTERM, streams get
+    `grace_seconds` to finish before they are cut.
+    """
+
+    def __init__(self, body: AsyncIterator[bytes], choices: list[Choice], grace_seconds: float):
+        super().__init__(body, sep="\n", ping=15, shutdown_grace_period=grace_seconds)
+        self._choices = choices
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            abort_all(self._choices)
+
+
+def clamp_logprob(value: float) -> float:
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR  # also maps NaN to the floor
+
+
+def sse(payload: str) -> bytes:
+    return b"data: " + payload.encode() + b"\n\n"
+
+
+def sse_error(exc: APIError) -> bytes:
+    body = {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
+    return sse(json.dumps(body))

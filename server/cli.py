@@ -1,0 +1,236 @@
+"""`specd serve` (the HTTP server) and `specd generate "prompt"` (one completion, no server).
+
+Flags are generated from `server.config.Settings`, so every flag has an
+environment variable (`SPECD_<NAME>`) and a YAML key, and its `--help` text
+is the setting's description. Only flags given on the command line override
+the environment and the config file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+import types
+import typing
+from typing import Any, Literal
+
+from pydantic import SecretStr, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from server.config import CONFIG_ENV, ENV_PREFIX, Settings, is_hidden, load_settings
+
+logger = logging.getLogger("specd.server")
+
+# Settings that `generate` shares with `serve`.
+GENERATE_SETTINGS = (
+    "model", "draft", "draft_model", "num_speculative_tokens", "dtype", "device", "cache_dir",
+    "max_model_len", "revision", "trust_remote_code", "log_level",
+)  # fmt: skip
+
+
+def _flag_type(annotation: Any) -> dict[str, Any]:
+    """argparse keywords for a settings field's type."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(annotation) is Literal:
+        return {"choices": typing.get_args(annotation), "metavar": "{" + ",".join(typing.get_args(annotation)) + "}"}
+    if annotation in (int, float):
+        return {"type": annotation}
+    if typing.get_origin(annotation) is list:
+        return {"type": str, "metavar": "A,B"}
+    return {"type": str}  # str, Path, SecretStr: pydantic converts
+
+
+def _default_text(name: str, field: FieldInfo) -> str:
+    if field.annotation is SecretStr or name == "api_key":
+        return "none"
+    default = field.get_default(call_default_factory=True) if field.default is PydanticUndefined else field.default
+    if default in (None, []):
+        return "none"
+    return str(default).lower() if isinstance(default, bool) else str(default)
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, names: typing.Iterable[str]) -> None:
+    for name in names:
+        field = Settings.model_fields[name]
+        env = ENV_PREFIX + name.upper()
+        default = "" if "default" in (field.description or "") else f"; default: {_default_text(name, field)}"
+        help_text = argparse.SUPPRESS if is_hidden(field) else f"{field.description} [env {env}{default}]"
+        parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS, help=help_text, **_flag_type(field.annotation)
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specd", description="OpenAI-compatible LLM server with batched, lossless speculative decoding."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    config_help = f"YAML file of settings, keys named as the flags ('-' or '_') [env {CONFIG_ENV}]"
+
+    serve = commands.add_parser("serve", help="run the HTTP server", description="Run the OpenAI-compatible HTTP server.")
+    serve.add_argument("--config", default=None, help=config_help)
+    add_settings_flags(serve, Settings.model_fields)
+
+    generate = commands.add_parser(
+        "generate", help="complete one prompt and print it (no server)", description="Complete one prompt and print it."
+    )
+    generate.add_argument("prompt", help="the prompt; chat models get it as one user message (see --raw)")
+    generate.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate [default: 128]")
+    generate.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy [default: 0]")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass [default: 1]")
+    generate.add_argument("--seed", type=int, default=None, help="sampling seed [default: random]")
+    generate.add_argument(
+        "--speculation", choices=("auto", "true", "false"), default="auto", help="speculate for this prompt [default: auto]"
+    )
+    generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    generate.add_argument("--config", default=None, help=config_help)
+    add_settings_flags(generate, GENERATE_SETTINGS)
+    return parser
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def _settings(args: argparse.Namespace, names: typing.Iterable[str], **defaults: Any) -> Settings | None:
+    overrides = {**defaults, **{name: getattr(args, name) for name in names if hasattr(args, name)}}
+    try:
+        return load_settings(overrides, args.config)
+    except ValidationError as exc:
+        for error in exc.errors():
+            flag = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-") if error["loc"] else "settings"
+            print(f"specd: error: {flag}: {error['msg']}", file=sys.stderr)
+    except ValueError as exc:
+        print(f"specd: error: {exc}", file=sys.stderr)
+    return None
+
+
+# -- serve -------------------------------------------------------------------------
+
+
+def serve(args: argparse.Namespace) -> int:
+    settings = _settings(args, Settings.model_fields)
+    if settings is None:
+        return 2
+    configure_logging(settings.log_level)
+    import uvicorn
+
+    from server.app import create_app
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            app.state.specd.draining = True  # new requests get 503 while running ones finish
+            super().handle_exit(sig, frame)
+
+    app = create_app(settings, on_fatal=lambda: setattr(server, "should_exit", True))
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=settings.shutdown_timeout,
+        lifespan="on",
+    )
+    server = Server(config)
+    # uvicorn re-raises SIGTERM/SIGINT once it has shut down gracefully, to let
+    # the previous handler act on it; with this one the process then exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 1 if app.state.specd.load_error or not server.started else 0
+
+
+# -- generate ----------------------------------------------------------------------
+
+
+def generate(args: argparse.Namespace) -> int:
+    settings = _settings(args, GENERATE_SETTINGS, max_num_seqs=1)
+    if settings is None:
+        return 2
+    configure_logging(settings.log_level)
+    from server.app import build_components
+
+    try:
+        components = build_components(settings)
+    except (OSError, ValueError) as exc:
+        print(f"specd: error: {exc}", file=sys.stderr)
+        return 1
+    return asyncio.run(_generate(components, args))
+
+
+async def _generate(components, args: argparse.Namespace) -> int:
+    from scheduler.engine import AsyncEngine
+    from scheduler.types import InvalidRequestError, Request, SamplingParams
+    from server.detokenizer import IncrementalDetokenizer
+
+    tokenizer = components.loaded.tokenizer
+    if args.raw or not tokenizer.chat_template:
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
+        )
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    engine = AsyncEngine(components.runner, components.scheduler_config)
+    await engine.start()
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            speculation={"auto": "auto", "true": True, "false": False}[args.speculation],
+        )
+        request = Request("generate-0", prompt_ids, params)
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        started = time.perf_counter()
+        last = None
+        async with engine.submit(request) as stream:
+            async for out in stream:
+                sys.stdout.write(detokenizer.push(out.new_token_ids) + (detokenizer.flush() if out.finished else ""))
+                sys.stdout.flush()
+                last = out
+    except InvalidRequestError as exc:
+        print(f"specd: error: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        await engine.stop(timeout=0)
+    sys.stdout.write("\n")
+    seconds = time.perf_counter() - started
+    if last is not None:
+        if last.error:
+            print(f"specd: error: {last.error}", file=sys.stderr)
+            return 1
+        print(
+            f"[{last.num_output_tokens} tokens in {seconds:.2f}s, {last.num_output_tokens / max(seconds, 1e-9):.1f} tok/s; "
+            f"finish_reason={last.finish_reason.value}; drafts accepted {last.num_accepted_tokens}/{last.num_draft_tokens}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = serve if args.command == "serve" else generate
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Server settings: command line > `SPECD_*` environment > YAML config file > defaults.
+
+Every field is a `specd serve` flag (`max_num_seqs` -> `--max-num-seqs`) and an
+environment variable (`SPECD_MAX_NUM_SEQS`); the field's description is the
+flag's `--help` text. A YAML file (`--config FILE` or `SPECD_CONFIG`) holds
+the same names, with `-` or `_`. List fields take comma-separated values.
+"""
+
+from __future__ import annotations
+
+import os
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+from scheduler.types import MAX_SPEC_TOKENS
+
+ENV_PREFIX = "SPECD_"
+CONFIG_ENV = "SPECD_CONFIG"
+DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+
+CommaList = Annotated[list[str], NoDecode]
+
+# Values read from the YAML file for the `Settings` being built (see `load_settings`).
+_file_values: ContextVar[dict[str, Any]] = ContextVar("specd_file_values", default={})
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # -- network --
+    host: str = Field("127.0.0.1", description="Address to bind. Use 0.0.0.0 to listen on every interface.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on.")
+    api_key: SecretStr | None = Field(
+        None, description="Require 'Authorization: Bearer KEY' on /v1/* (and /metrics with --metrics-auth)."
+    )
+    metrics_auth: bool = Field(False, description="Also require the API key on GET /metrics.")
+    allowed_origins: CommaList = Field(
+        default_factory=list, description="CORS origins allowed to call the API, comma-separated ('*' for any)."
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Largest request body accepted; larger ones get 413."
+    )
+    access_log: bool = Field(False, description="Log every HTTP request (uvicorn access log).")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="Logging verbosity."
+    )
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="Seconds running requests may take to finish after SIGTERM before they are aborted."
+    )
+
+    # -- model --
+    model: str | None = Field(
+        None, description="Hub id, local directory or .gguf file of the target model (default: bundled SmolLM2-135M-Instruct)."
+    )
+    served_model_name: CommaList = Field(
+        default_factory=list,
+        description="Name(s) clients put in the 'model' field, comma-separated (default: the model id).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations dtype; auto: bfloat16 on GPUs, float32 on most CPUs."
+    )
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N.")
+    cache_dir: Path | None = Field(None, description="Where converted GGUF weights are cached (default ~/.cache/specd).")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of --model.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the Hub repository to run.")
+
+    # -- speculation --
+    draft: Literal["ngram", "draft_model", "none"] | None = Field(
+        None, description="Proposer: ngram (prompt lookup), draft_model, or none (default: draft_model if --draft-model, else ngram)."
+    )
+    draft_model: str | None = Field(None, description="Hub id or directory of a draft model sharing the target's tokenizer.")
+    num_speculative_tokens: int = Field(
+        4, ge=0, le=MAX_SPEC_TOKENS, description="Most draft tokens per verify step (K)."
+    )
+    spec_disable_batch_size: int = Field(
+        8, ge=0, description="Requests with speculation 'auto' stop drafting while more than N run; 0 disables it."
+    )
+    spec_adaptive: bool = Field(True, description="Adapt each request's draft length to its own acceptance history.")
+
+    # -- scheduling --
+    max_num_seqs: int = Field(16, ge=1, description="Requests decoded together in one batch (KV cache slots).")
+    max_model_len: int | None = Field(
+        None, ge=2, description=f"Longest prompt + completion in tokens (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})."
+    )
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description=f"Tokens one engine step may process (default: max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, --max-num-seqs))."
+    )
+    max_queue: int = Field(256, ge=0, description="Waiting requests beyond which new ones get 503 + Retry-After.")
+
+    # Test only (absent from --help): honour a request's `fault` field ("raise" | "nan").
+    enable_fault_injection: bool = Field(
+        False, description="Test only: honour a request's 'fault' field.", json_schema_extra={"hidden": True}
+    )
+
+    @field_validator("allowed_origins", "served_model_name", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "Settings":
+        if self.draft == "draft_model" and not self.draft_model:
+            raise ValueError("--draft draft_model needs --draft-model")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs")
+        return self
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+
+    @property
+    def api_key_value(self) -> str | None:
+        return self.api_key.get_secret_value() if self.api_key else None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _ConfigFileSource(settings_cls)
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """The YAML config file's values, below the environment in priority."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return _file_values.get().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_file_values.get())
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of setting names to values")
+    return {str(key).replace("-", "_"): value for key, value in data.items()}
+
+
+def load_settings(overrides: dict[str, Any] | None = None, config_file: str | Path | None = None) -> Settings:
+    """Settings from `overrides` (the command line), then the environment, then the config file."""
+    path = config_file or os.environ.get(CONFIG_ENV)
+    token = _file_values.set(read_config_file(path) if path else {})
+    try:
+        return Settings(**(overrides or {}))
+    finally:
+        _file_values.reset(token)
+
+
+def is_hidden(field: FieldInfo) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("hidden"))

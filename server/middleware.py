@@ -1,0 +1,155 @@
+"""Pure ASGI middleware: body size limit, API key, one log line per generation request."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import error_response
+from server.serving import RECORD_SCOPE_KEY, RequestRecord
+
+request_logger = logging.getLogger("specd.request")
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over `max_bytes`, judged by Content-Length and by the bytes actually sent.
+
+    The body is read here and replayed to the app, so the app never sees a
+    partial oversized body; later `receive` calls (disconnects) pass through.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected while sending the body
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._reject(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(
+            413,
+            f"the request body exceeds {self.max_bytes} bytes",
+            "invalid_request_error",
+            code="request_too_large",
+            headers={"Connection": "close"},
+        )
+        await response(scope, receive, send)
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer KEY` on /v1/* (and /metrics when asked)."""
+
+    def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.protect_metrics = protect_metrics
+
+    def _protected(self, path: str) -> bool:
+        return path.startswith("/v1/") or path == "/v1" or (self.protect_metrics and path == "/metrics")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._protected(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        given = (_header(scope, b"authorization") or "").encode()
+        if not secrets.compare_digest(given, self.expected):
+            message = "missing API key" if not given else "invalid API key"
+            response = error_response(
+                401,
+                f"{message}: send 'Authorization: Bearer <key>'",
+                "authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class RequestLogMiddleware:
+    """One structured line per completion request, after its last byte is sent.
+
+    `id=... status=200 stream=true n=1 prompt_tokens=.. completion_tokens=..
+    ttft_s=.. e2e_s=.. spec_accepted=.. spec_drafted=.. finish_reason=stop`
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        record = scope[RECORD_SCOPE_KEY] = RequestRecord(endpoint=scope["path"])
+        status = 500
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            _log(record, record.status or status, time.monotonic())
+
+
+def _log(record: RequestRecord, status: int, now: float) -> None:
+    ttft = "-" if record.first_token is None else f"{record.first_token - record.arrival:.4f}"
+    request_logger.info(
+        "id=%s endpoint=%s status=%d stream=%s n=%d prompt_tokens=%d completion_tokens=%d "
+        "ttft_s=%s e2e_s=%.4f spec_accepted=%d spec_drafted=%d finish_reason=%s",
+        record.request_id,
+        record.endpoint,
+        status,
+        str(record.stream).lower(),
+        record.n,
+        record.prompt_tokens,
+        record.completion_tokens,
+        ttft,
+        now - record.arrival,
+        record.spec_accepted,
+        record.spec_drafted,
+        ",".join(record.finish_reasons) or "-",
+    )
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None

@@ -1,0 +1,258 @@
+"""OpenAI request and response schemas (pydantic v2).
+
+Requests accept unknown fields and ignore them, as OpenAI does, so clients
+that send newer fields keep working. Value ranges are checked where the value
+is used (`SamplingParams` validates decoding parameters); here only shapes,
+types and the limits that protect the server.
+
+Limits beyond OpenAI's: `stop` holds at most `MAX_STOP_STRINGS` strings of at
+most `MAX_STOP_STRING_CHARS` characters each (OpenAI allows 4); `n` is at most
+`MAX_N`, and a completion request asks for at most `MAX_CHOICES` sequences
+(prompts x n).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+
+from scheduler.types import MAX_SPEC_TOKENS, MAX_TOP_LOGPROBS
+
+MAX_N = 16
+MAX_CHOICES = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+class OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIRequest):
+    include_usage: bool = False
+    # vLLM extension: usage on every chunk (load generators such as guidellm read it).
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(OpenAIRequest):
+    """Fields shared by completions and chat completions."""
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # -- extensions (`extra_body` in the OpenAI SDKs) --
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    speculation: Literal["auto"] | StrictBool = "auto"
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPEC_TOKENS)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _bound_stop(cls, value: str | list[str] | None) -> list[str]:
+        """Normalised to a list of non-empty strings."""
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        for stop in stops:
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        return [s for s in stops if s]
+
+
+class ContentPart(OpenAIRequest):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIRequest):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class Prediction(OpenAIRequest):
+    """OpenAI Predicted Outputs: the expected completion, used as the draft."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prediction: Prediction | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    # -- extensions --
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+    # -- extensions --
+    add_special_tokens: bool = True
+
+
+# -- responses ------------------------------------------------------------------
+
+
+class OpenAIResponse(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CompletionTokensDetails(OpenAIResponse):
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+class Usage(OpenAIResponse):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
+
+
+class TopLogprob(OpenAIResponse):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(OpenAIResponse):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(OpenAIResponse):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(OpenAIResponse):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(OpenAIResponse):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(OpenAIResponse):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(OpenAIResponse):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(OpenAIResponse):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(OpenAIResponse):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIResponse):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(OpenAIResponse):
+    """A completion, or (with `usage` only on the last one) a streamed chunk of one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(OpenAIResponse):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "specd"
+    root: str
+    max_model_len: int
+
+
+class ModelList(OpenAIResponse):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class SpeculationInfo(OpenAIResponse):
+    """GET /v1/speculation: the live speculation configuration and acceptance."""
+
+    proposer: str
+    num_speculative_tokens: int
+    spec_disable_batch_size: int
+    adaptive: bool
+    spec_enabled: bool  # the last engine step carried drafts
+    acceptance_rate: float | None  # accepted / draft tokens, since start
+    mean_acceptance_length: float | None  # 1 + accepted tokens / drafts
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    requests_running: int
+    requests_waiting: int
+    kv_cache_usage: float

@@ -1,0 +1,208 @@
+"""Request <-> engine, shared by chat and text completions.
+
+A request becomes one engine `Request` per choice (`n`, and per prompt for a
+list of prompts), with `SamplingParams` built here; `server.choices` turns
+the engine streams back into text. Also: the serving context, the per-request
+log record, and cancelling work whose client has gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request as HTTPRequest
+
+from scheduler.engine import AsyncEngine, RequestStream
+from scheduler.types import Request, SamplingParams
+from server.detokenizer import TokenTexts
+from server.errors import APIError, BadRequestError, NotFoundError
+from server.protocol import SamplingFields
+
+if TYPE_CHECKING:
+    from server.choices import Choice
+
+SEED_MASK = 2**63 - 1
+
+
+@dataclass
+class ServingContext:
+    """What the endpoints need once the model is loaded."""
+
+    engine: AsyncEngine
+    tokenizer: Any
+    model_id: str
+    served_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    system_fingerprint: str
+    enable_fault_injection: bool
+    shutdown_timeout: float = 30.0
+    token_texts: TokenTexts = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_texts = TokenTexts(self.tokenizer)
+
+    def check_model(self, name: str) -> None:
+        """The `model` field must name a served model; it is never loaded on demand."""
+        if name not in self.served_names:
+            raise NotFoundError(
+                f"the model '{name}' does not exist; this server serves {', '.join(self.served_names)}",
+                param="model",
+                code="model_not_found",
+            )
+
+
+@dataclass
+class RequestRecord:
+    """What the per-request log line reports; filled by the endpoint, logged by middleware."""
+
+    endpoint: str
+    arrival: float = field(default_factory=time.monotonic)
+    request_id: str = "-"
+    stream: bool = False
+    n: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token: float | None = None
+    spec_accepted: int = 0
+    spec_drafted: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    status: int | None = None  # set when the status differs from the HTTP one (stream errors)
+
+    def add_choices(self, choices: list[Choice]) -> None:
+        for choice in choices:
+            out = choice.last
+            if out is not None:
+                self.completion_tokens += out.num_output_tokens
+                self.spec_accepted += out.num_accepted_tokens
+                self.spec_drafted += out.num_draft_tokens
+            self.finish_reasons.append(choice.finish_reason or "abort")
+
+
+RECORD_SCOPE_KEY = "specd.record"
+
+
+def request_record(request: HTTPRequest) -> RequestRecord:
+    record = request.scope.get(RECORD_SCOPE_KEY)
+    if record is None:
+        record = request.scope[RECORD_SCOPE_KEY] = RequestRecord(endpoint=request.url.path)
+    return record
+
+
+# -- sampling parameters -----------------------------------------------------------
+
+
+def sampling_params(
+    ctx: ServingContext,
+    req: SamplingFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    choice: int,
+) -> SamplingParams:
+    """One choice's `SamplingParams`; choice i of a seeded request uses seed + i."""
+    seed = None if req.seed is None else (req.seed + choice) & SEED_MASK
+    fault = (req.model_extra or {}).get("fault") if ctx.enable_fault_injection else None
+
+    def given(value, default):
+        return default if value is None else value
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=given(req.temperature, 1.0),
+        top_p=given(req.top_p, 1.0),
+        top_k=given(req.top_k, 0),
+        min_p=given(req.min_p, 0.0),
+        presence_penalty=given(req.presence_penalty, 0.0),
+        frequency_penalty=given(req.frequency_penalty, 0.0),
+        repetition_penalty=given(req.repetition_penalty, 1.0),
+        logit_bias=parse_logit_bias(req.logit_bias, ctx.vocab_size),
+        seed=seed,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        speculation=req.speculation,
+        num_speculative_tokens=req.num_speculative_tokens,
+        fault=fault if isinstance(fault, str) else None,
+    )
+
+
+def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    parsed: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise BadRequestError(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise BadRequestError(f"'logit_bias' token id {token_id} is outside the vocabulary", param="logit_bias")
+        parsed[token_id] = value
+    return parsed
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise BadRequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param=param)
+
+
+def check_stream_options(req: SamplingFields) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise BadRequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+
+
+# -- submitting --------------------------------------------------------------------
+
+
+def submit_all(
+    ctx: ServingContext,
+    request_id: str,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    prediction_ids: list[int] | None = None,
+) -> list[RequestStream]:
+    """Queue one engine request per choice; all or none (a refusal aborts the ones queued)."""
+    streams: list[RequestStream] = []
+    try:
+        for i, (prompt_ids, p) in enumerate(zip(prompts, params)):
+            request = Request(f"{request_id}-{i}", prompt_ids, p, prediction_ids=prediction_ids)
+            streams.append(ctx.engine.submit(request))
+    except Exception:
+        for stream in streams:
+            stream.abort()
+        raise
+    return streams
+
+
+# -- disconnects -------------------------------------------------------------------
+
+
+class ClientDisconnected(APIError):
+    status_code = 499  # nginx's "client closed request": only ever seen in logs
+
+
+async def until_disconnected(request: HTTPRequest, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected("the client closed the connection")
+    return task.result()
+
+
+async def _wait_for_disconnect(request: HTTPRequest) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,187 @@
+"""POST /v1/chat/completions: chat template, Predicted Outputs, chat chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response
+
+from server.choices import (
+    Choice,
+    ChoiceUpdate,
+    SSEResponse,
+    TokenInfo,
+    clamp_logprob,
+    collect,
+    sse,
+    sse_stream,
+    stream_flags,
+    usage_of,
+)
+from server.errors import BadRequestError
+from server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    ContentPart,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from server.serving import (
+    ServingContext,
+    check_stream_options,
+    request_record,
+    sampling_params,
+    submit_all,
+    until_disconnected,
+)
+
+# Used when a tokenizer has no chat template of its own.
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def content_text(content: str | list[ContentPart] | None, param: str) -> str:
+    """A message's text; content parts other than text are refused."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type not in ("text", "input_text") or part.text is None:
+            raise BadRequestError(
+                f"content part type '{part.type}' is not supported; only text parts are", param=f"{param}[{j}].type"
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+    if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
+        raise BadRequestError(
+            "'continue_final_message' needs 'add_generation_prompt': false and a final assistant message",
+            param="continue_final_message",
+        )
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": content_text(m.content, f"messages[{i}].content")}
+        for i, m in enumerate(req.messages)
+    ]
+    tokenizer = ctx.tokenizer
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template=None if tokenizer.chat_template else CHATML_TEMPLATE,
+            **(req.chat_template_kwargs or {}),
+        )
+    except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (jinja raise_exception)
+        raise BadRequestError(f"the chat template rejected the messages: {exc}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_unsupported(req: ChatCompletionRequest) -> None:
+    if req.tools:
+        raise BadRequestError("tools are not supported by this server", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise BadRequestError("only response_format type 'text' is supported", param="response_format")
+    if req.top_logprobs and not req.logprobs:
+        raise BadRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+
+
+def token_logprobs(ctx: ServingContext, tokens: list[TokenInfo]) -> list[TokenLogprob]:
+    items = []
+    for t in tokens:
+        text, raw = ctx.token_texts(t.token_id)
+        top = []
+        for token_id, logprob in t.top:
+            top_text, top_raw = ctx.token_texts(token_id)
+            top.append(TopLogprob(token=top_text, logprob=clamp_logprob(logprob), bytes=top_raw))
+        items.append(TokenLogprob(token=text, logprob=clamp_logprob(t.logprob), bytes=raw, top_logprobs=top))
+    return items
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: HTTPRequest) -> Response:
+    ctx.check_model(req.model)
+    check_stream_options(req)
+    check_unsupported(req)
+    prompt_ids = render_prompt(ctx, req)
+    prediction_ids = None
+    if req.prediction is not None:
+        predicted = content_text(req.prediction.content, "prediction.content")
+        prediction_ids = ctx.tokenizer.encode(predicted, add_special_tokens=False) or None
+    requested = req.max_completion_tokens or req.max_tokens
+    max_tokens = requested or max(1, ctx.max_model_len - len(prompt_ids))
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = [sampling_params(ctx, req, max_tokens=max_tokens, logprobs=logprobs, choice=i) for i in range(req.n)]
+
+    record = request_record(raw)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    record.request_id, record.stream, record.n, record.prompt_tokens = response_id, req.stream, req.n, len(prompt_ids)
+    streams = submit_all(ctx, response_id, [prompt_ids] * req.n, params, prediction_ids)
+    choices = [Choice(i, stream, ctx, req, prompt_ids) for i, stream in enumerate(streams)]
+    created = int(time.time())
+    if req.stream:
+        return _stream(ctx, req, response_id, created, choices, record, len(prompt_ids))
+    return await until_disconnected(raw, _complete(ctx, req, response_id, created, choices, record, len(prompt_ids)))
+
+
+async def _complete(ctx, req, response_id, created, choices, record, num_prompt_tokens) -> ChatCompletionResponse:
+    results = await collect(choices, record)
+    return ChatCompletionResponse(
+        id=response_id,
+        created=created,
+        model=req.model,
+        system_fingerprint=ctx.system_fingerprint,
+        choices=[
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content="".join(results[c.index].text)),
+                logprobs=ChoiceLogprobs(content=token_logprobs(ctx, results[c.index].tokens)) if c.want_logprobs else None,
+                finish_reason=results[c.index].finish_reason,
+            )
+            for c in choices
+        ],
+        usage=usage_of(choices, num_prompt_tokens),
+    )
+
+
+def _stream(ctx, req, response_id, created, choices: list[Choice], record, num_prompt_tokens) -> SSEResponse:
+    want_logprobs = choices[0].want_logprobs
+
+    def chunk(items: list[ChatChunkChoice], usage: Usage | None) -> bytes:
+        body = ChatCompletionChunk(
+            id=response_id,
+            created=created,
+            model=req.model,
+            system_fingerprint=ctx.system_fingerprint,
+            choices=items,
+            usage=usage,
+        )
+        return sse(body.model_dump_json(exclude_none=True))
+
+    def render(update: ChoiceUpdate | None, usage: Usage | None) -> bytes:
+        if update is None:
+            return chunk([], usage)
+        logprobs = ChoiceLogprobs(content=token_logprobs(ctx, update.tokens)) if want_logprobs else None
+        delta = DeltaMessage(content=update.text) if update.text else DeltaMessage()
+        return chunk([ChatChunkChoice(index=update.index, delta=delta, logprobs=logprobs, finish_reason=update.finish_reason)], usage)
+
+    _, continuous = stream_flags(req)
+    opening_usage = usage_of(choices, num_prompt_tokens) if continuous else None
+    opening = [
+        chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))], opening_usage)
+        for c in choices
+    ]
+    body = sse_stream(choices, record, opening, render, req, num_prompt_tokens)
+    return SSEResponse(body, choices, ctx.shutdown_timeout)

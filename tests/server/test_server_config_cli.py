@@ -1,0 +1,118 @@
+"""Settings precedence, the generated CLI, error mapping helpers, and `specd generate`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from server.cli import build_parser, main
+from server.config import Settings, load_settings
+from server.errors import loc_to_param
+
+from specd_http import REPO
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("SPECD_"):
+            monkeypatch.delenv(key)
+    return monkeypatch
+
+
+def test_precedence_cli_over_env_over_file_over_default(clean_env, tmp_path):
+    config = tmp_path / "specd.yaml"
+    config.write_text("port: 9001\nmax-num-seqs: 3\nmax_queue: 7\nallowed-origins: [http://a, http://b]\n")
+    clean_env.setenv("SPECD_PORT", "9002")
+    clean_env.setenv("SPECD_MAX_QUEUE", "8")
+    clean_env.setenv("SPECD_SERVED_MODEL_NAME", "one, two")
+    settings = load_settings({"max_queue": 9}, config)
+    assert settings.port == 9002  # env beats file
+    assert settings.max_num_seqs == 3  # file beats default
+    assert settings.max_queue == 9  # command line beats env
+    assert settings.allowed_origins == ["http://a", "http://b"]
+    assert settings.served_model_name == ["one", "two"]
+    assert settings.host == "127.0.0.1"
+
+
+def test_config_file_from_env_and_unknown_keys_refused(clean_env, tmp_path):
+    config = tmp_path / "specd.yaml"
+    config.write_text("max-num-seqs: 2\n")
+    clean_env.setenv("SPECD_CONFIG", str(config))
+    assert load_settings().max_num_seqs == 2
+    config.write_text("max-num-sqes: 2\n")
+    with pytest.raises(ValueError, match="max_num_sqes"):
+        load_settings()
+
+
+def test_invalid_values_are_refused(clean_env):
+    with pytest.raises(ValueError):
+        Settings(num_speculative_tokens=99)
+    with pytest.raises(ValueError, match="max-num-batched-tokens"):
+        Settings(max_num_seqs=32, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="--draft-model"):
+        Settings(draft="draft_model")
+
+
+def test_every_setting_is_a_flag_with_help_and_fault_injection_is_hidden(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if name == "enable_fault_injection":
+            assert flag not in help_text
+        else:
+            assert flag in help_text and f"SPECD_{name.upper()}" in help_text, name
+    for flag in ("--config", "--host", "--port", "--model", "--served-model-name", "--draft-model", "--draft",
+                 "--num-speculative-tokens", "--spec-disable-batch-size", "--max-num-seqs", "--max-model-len",
+                 "--max-queue", "--api-key", "--dtype", "--device", "--log-level", "--cache-dir",
+                 "--max-num-batched-tokens", "--max-body-bytes", "--metrics-auth", "--allowed-origins",
+                 "--shutdown-timeout"):  # fmt: skip
+        assert flag in help_text
+
+
+def test_flags_parse_into_settings(clean_env):
+    args = build_parser().parse_args(
+        ["serve", "--port", "1234", "--no-spec-adaptive", "--served-model-name", "a,b", "--enable-fault-injection"]
+    )
+    settings = load_settings({k: v for k, v in vars(args).items() if k in Settings.model_fields})
+    assert (settings.port, settings.spec_adaptive, settings.served_model_name) == (1234, False, ["a", "b"])
+    assert settings.enable_fault_injection
+
+
+def test_bad_flag_value_exits_2_with_a_message(clean_env, capsys):
+    assert main(["serve", "--num-speculative-tokens", "99", "--port", "1"]) == 2
+    assert "--num-speculative-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("loc", "param"),
+    [
+        (("body", "messages", 0, "content"), "messages[0].content"),
+        (("body", "prompt", "list[int]", 0), "prompt"),
+        (("body", "temperature"), "temperature"),
+        (("body",), None),
+    ],
+)
+def test_validation_locations_become_params(loc, param):
+    assert loc_to_param(loc) == param
+
+
+def test_generate_prints_a_completion(tiny_llama_dir):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "server.cli", "generate", "Hello world", "--model", str(tiny_llama_dir),
+         "--dtype", "float32", "--device", "cpu", "--max-tokens", "8", "--temperature", "0"],  # fmt: skip
+        cwd=REPO,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "tokens in" in result.stderr
