@@ -64,7 +64,7 @@ class Settings(BaseSettings):
         description="Name(s) clients put in the 'model' field, comma-separated (default: the model id).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and activations dtype; auto: bfloat16 on GPUs, float32 on most CPUs."
+        "auto", description="Weights and activations dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (avx512_bf16/amx), else float32."
     )
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N.")
     cache_dir: Path | None = Field(None, description="Where converted GGUF weights are cached (default ~/.cache/specd).")
