@@ -16,10 +16,15 @@ from models.forward import last_token_index, packed_forward
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache
 from models.loader import LoadedModel
 from models.proposers import Draft
-from models.sampling import SamplingTensors, build_token_counts, process_logits, sample_from_probs, uniform_noise
+from models.sampling import (
+    STREAM_DRAFT,
+    SamplingTensors,
+    build_token_counts,
+    process_logits,
+    sample_from_probs,
+    uniform_noise,
+)
 from scheduler.types import Request
-
-STREAM_DRAFT = 2
 
 
 class DraftModelProposer:

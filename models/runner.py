@@ -21,6 +21,8 @@ from models.loader import LoadedModel
 from models.proposers import Draft, PredictionProposer, Proposer
 from models.rejection import rejection_sample
 from models.sampling import (
+    STREAM_ACCEPT,
+    STREAM_SAMPLE,
     SamplingTensors,
     build_token_counts,
     compute_logprobs,
@@ -31,10 +33,6 @@ from models.sampling import (
 from scheduler.types import Batch, RowOutput, ScheduledRow, StepOutput
 
 logger = logging.getLogger("specd.models")
-
-# Noise streams: each sampled position of a request has its own uniforms,
-# derived from (seed, output position, stream) only.
-STREAM_SAMPLE, STREAM_ACCEPT, STREAM_DRAFT = 0, 1, 2
 
 
 class RowFault(RuntimeError):

@@ -73,7 +73,7 @@ class Scheduler:
             raise InvalidRequestError(
                 f"this model's maximum context length is {limit} tokens, "
                 f"but the prompt has {request.num_prompt_tokens} tokens",
-                param="messages" if request.prediction_ids is not None else "prompt",
+                param="prompt",  # the server names its own field (chat: "messages")
                 code="context_length_exceeded",
             )
         if request.num_prompt_tokens + request.params.max_tokens > limit:

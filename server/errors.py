@@ -129,7 +129,12 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
+    located = (first.get("ctx") or {}).get("error")
+    if hasattr(located, "param"):  # a whole-body check that names the field itself (server.protocol)
+        return str(located), located.param
     if first.get("type") == "model_attributes_type" or first.get("loc") in (("body",), ["body"]):
+        if isinstance(first.get("input"), (bytes, str)):
+            return "the request body must be a JSON object sent with 'Content-Type: application/json'", None
         return "the request body must be a JSON object", None
     param = loc_to_param(first.get("loc", ()))
     message = f"{param or 'body'}: {first.get('msg', 'invalid value').removeprefix('Value error, ')}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from scheduler.types import MAX_SPEC_TOKENS, MAX_TOP_LOGPROBS
 
@@ -24,6 +24,48 @@ MAX_N = 16
 MAX_CHOICES = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+
+
+class InvalidTextError(ValueError):
+    """A string in the body that is not Unicode text (a lone UTF-16 surrogate from a JSON escape)."""
+
+    def __init__(self, param: str | None):
+        where = f"'{param}'" if param else "a key of the request body"
+        super().__init__(f"{where} is not valid Unicode text (it holds a lone surrogate)")
+        self.param = param
+
+
+def find_invalid_text(data: Any) -> tuple[bool, str | None]:
+    """(found, param) for the first string, key or value, that UTF-8 cannot encode.
+
+    JSON's `\\ud800` escapes decode to lone surrogates, which the tokenizer and the
+    response encoder refuse; they are rejected here, with the field's path.
+    Iterative, so any nesting that the JSON parser accepted is fine.
+    """
+    stack: list[tuple[Any, str | None]] = [(data, None)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return True, path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and not _is_text(key):
+                    return True, path
+                stack.append((item, f"{path}.{key}" if path else str(key)))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return False, None
+
+
+def _is_text(value: str) -> bool:
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class OpenAIRequest(BaseModel):
@@ -61,6 +103,14 @@ class SamplingFields(OpenAIRequest):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data: Any) -> Any:
+        found, param = find_invalid_text(data)
+        if found:
+            raise InvalidTextError(param)
+        return data
 
     @field_validator("stop")
     @classmethod

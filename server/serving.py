@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request as HTTPRequest
 
 from scheduler.engine import AsyncEngine, RequestStream
-from scheduler.types import Request, SamplingParams
+from scheduler.types import MAX_LOGIT_BIAS, Request, SamplingParams
 from server.detokenizer import TokenTexts
 from server.errors import APIError, BadRequestError, NotFoundError
 from server.protocol import SamplingFields
@@ -132,6 +132,8 @@ def sampling_params(
 
 
 def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    if bias and len(bias) > MAX_LOGIT_BIAS:  # before parsing: the size bound is the cheap check
+        raise BadRequestError(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", param="logit_bias")
     parsed: dict[int, float] = {}
     for key, value in (bias or {}).items():
         try:

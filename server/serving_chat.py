@@ -8,6 +8,7 @@ import uuid
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
+from scheduler.types import InvalidRequestError
 from server.choices import (
     Choice,
     ChoiceUpdate,
@@ -57,10 +58,12 @@ def content_text(content: str | list[ContentPart] | None, param: str) -> str:
         return content or ""
     texts = []
     for j, part in enumerate(content):
-        if part.type not in ("text", "input_text") or part.text is None:
+        if part.type not in ("text", "input_text"):
             raise BadRequestError(
                 f"content part type '{part.type}' is not supported; only text parts are", param=f"{param}[{j}].type"
             )
+        if part.text is None:
+            raise BadRequestError("a text content part needs a 'text' string", param=f"{param}[{j}].text")
         texts.append(part.text)
     return "\n".join(texts)
 
@@ -128,7 +131,12 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     record = request_record(raw)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     record.request_id, record.stream, record.n, record.prompt_tokens = response_id, req.stream, req.n, len(prompt_ids)
-    streams = submit_all(ctx, response_id, [prompt_ids] * req.n, params, prediction_ids)
+    try:
+        streams = submit_all(ctx, response_id, [prompt_ids] * req.n, params, prediction_ids)
+    except InvalidRequestError as exc:
+        if exc.param == "prompt":  # the engine sees a prompt; a chat request's prompt is its messages
+            exc.param = "messages"
+        raise
     choices = [Choice(i, stream, ctx, req, prompt_ids) for i, stream in enumerate(streams)]
     created = int(time.time())
     if req.stream:
