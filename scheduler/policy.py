@@ -13,7 +13,8 @@ Rule (documented in README, "Speculation policy"):
   alpha^k. A step's time is modelled as a + b * tokens (fitted online by
   the engine from its own steps). Adding a draft token with expected gain g
   raises the step's throughput E/S (tokens per second) iff g * S > b_eff * E,
-  with b_eff = b + the proposer's per-token cost. Candidate draft positions of
+  with b_eff = b + the proposer's measured seconds per draft position (a draft
+  model's forward; near zero for n-gram). Candidate draft positions of
   all auto rows are taken greedily by decreasing alpha^k while that holds, so
   the same acceptance buys long drafts at batch 1 (cheap verify) and none in a
   large, compute-bound batch.
@@ -38,8 +39,6 @@ class SpecConfig:
     prior_acceptance: float = 0.6
     decay: float = 0.8  # weight of history in the acceptance estimate, per verify step
     probe_interval: int = 8
-    # Extra cost of one draft token, as a fraction of one verified token (draft model > 0).
-    proposer_token_cost: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= MAX_SPEC_TOKENS:
@@ -66,12 +65,18 @@ class StepCostModel:
 
     a: float = 1.0
     b: float = 0.02  # prior: one more token costs 2% of a small step (memory-bound)
+    # Seconds the proposer spends per draft position (EMA of the draft phase / k).
+    draft: float = 0.0
     weight: float = 0.05
     _n: float = 0.0
     _sx: float = 0.0
     _sy: float = 0.0
     _sxx: float = 0.0
     _sxy: float = 0.0
+
+    def observe_draft(self, num_positions: int, seconds: float) -> None:
+        if num_positions > 0:
+            self.draft += self.weight * (seconds / num_positions - self.draft)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         w = self.weight
@@ -135,7 +140,7 @@ class SpecPolicy:
 
     def _choose_adaptive(self, requests, k_maxes, candidates, ks, budget) -> None:
         a, b = self.cost.a, self.cost.b
-        b_eff = b * (1.0 + self.config.proposer_token_cost)
+        b_eff = b + self.cost.draft
         num_tokens = len(requests) + sum(ks)
         expected = float(len(requests))
         seconds = a + b * num_tokens

@@ -50,6 +50,13 @@ def test_cost_model_weighs_batch_step_cost():
             policy.observe(r, 4, 2)  # alpha ~ 0.6
     assert sum(cheap.decide(batch, [16] * 4, budget=64)) >= 8
     assert sum(costly.decide(batch, [16] * 4, budget=64)) == 0
+    # A slow draft model makes every draft position cost more than it returns.
+    slow_draft = SpecPolicy(SpecConfig(num_speculative_tokens=8), has_proposer=True, cost=StepCostModel(a=1.0, b=0.01))
+    for _ in range(200):
+        slow_draft.cost.observe_draft(4, 4 * 0.5)
+    for r in batch:
+        slow_draft.observe(r, 4, 2)
+    assert sum(slow_draft.decide(batch, [16] * 4, budget=64)) == 0
 
 
 def test_cost_model_fits_a_line():
