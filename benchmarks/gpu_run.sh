@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# The benchmarks on one GPU, offline, in under 8 minutes:
+#   1. memory bandwidth (a torch device-to-device copy) and the target's bf16
+#      weight bytes: the bandwidth floor of one decode step;
+#   2. the engine batch-size sweep (benchmarks.engine_bench --section batch);
+#   3. the serving benchmark, speculation off / on / auto, for the target with
+#      the n-gram proposer and with a draft cut from it by benchmarks/make_draft.py;
+#   4. a short table, printed last.
+#
+#   bash benchmarks/gpu_run.sh [OUT_DIR]          # default benchmarks/results/gpu-<date>
+#
+# Environment (all optional):
+#   PYTHON        interpreter with torch + specd's dependencies [.venv/bin/python, else python3]
+#   MODEL         target: directory, .gguf file or Hub id in the local HF cache [bundled SmolLM2-135M-Instruct]
+#   DEVICE        cuda, cuda:N or cpu (cpu only to try this script out) [cuda]
+#   DRAFT_LAYERS  layers kept in the draft [8]
+#   MAX_TOKENS    tokens per request [128]
+#   CONCURRENCY   serving levels, n-gram run [1,2,4,8,16,32]; the draft run uses DRAFT_CONCURRENCY [1,4,16]
+#   WHEELS        folder of wheels to install (no network) into a private folder before starting
+# Nothing is downloaded: HF_HUB_OFFLINE=1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OUT_DIR=${1:-benchmarks/results/gpu-$(date +%Y%m%d-%H%M%S)}
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+DEVICE=${DEVICE:-cuda}
+DRAFT_LAYERS=${DRAFT_LAYERS:-8}
+MAX_TOKENS=${MAX_TOKENS:-128}
+CONCURRENCY=${CONCURRENCY:-1,2,4,8,16,32}
+DRAFT_CONCURRENCY=${DRAFT_CONCURRENCY:-1,4,16}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$OUT_DIR"
+START=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - START ))s] $*" >&2; }
+
+if [ -n "${WHEELS:-}" ]; then
+    stamp "installing wheels from $WHEELS"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/specd-site "$WHEELS"/*.whl
+    export PYTHONPATH="$PYTHONPATH:/tmp/specd-site"
+fi
+
+stamp "preflight ($PYTHON, $DEVICE)"
+"$PYTHON" - "$DEVICE" <<'EOF'
+import importlib.util, sys
+import torch
+need = ["transformers", "safetensors", "accelerate", "gguf", "fastapi", "uvicorn", "sse_starlette",
+        "pydantic", "pydantic_settings", "prometheus_client", "httpx", "yaml", "matplotlib"]
+missing = [m for m in need if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"missing Python packages: {' '.join(missing)} (install them, or pass WHEELS=DIR)")
+if sys.argv[1].startswith("cuda") and not torch.cuda.is_available():
+    sys.exit("torch sees no CUDA device")
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+print(f"torch {torch.__version__} on {name}")
+EOF
+
+stamp "bandwidth floor"
+"$PYTHON" - "$DEVICE" "${MODEL:-}" "$OUT_DIR/floor.json" <<'EOF'
+import json, sys, time
+import torch
+from models.loader import ModelConfig, load_model
+
+device, model, out = sys.argv[1], sys.argv[2] or None, sys.argv[3]
+loaded = load_model(ModelConfig(model, dtype="bfloat16", device=device))
+weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())  # tied weights once
+numel = (1 << 30) // 4 if device.startswith("cuda") else (1 << 26) // 4  # 1 GiB on a GPU
+src = torch.ones(numel, dtype=torch.float32, device=device)
+dst = torch.empty_like(src)
+sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+for _ in range(3):
+    dst.copy_(src)
+sync()
+iters = 20
+start = time.perf_counter()
+for _ in range(iters):
+    dst.copy_(src)
+sync()
+seconds = time.perf_counter() - start
+bandwidth = 2 * src.numel() * src.element_size() * iters / seconds  # bytes read + written per second
+record = {"weight_bytes": weight_bytes, "bandwidth_bytes_per_s": bandwidth, "floor_ms": weight_bytes / bandwidth * 1e3}
+json.dump(record, open(out, "w"))
+print(f"weights {weight_bytes / 1e6:.0f} MB (bf16), copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
+      f"floor {record['floor_ms']:.3f} ms per decode step")
+EOF
+
+if "$PYTHON" -m benchmarks.engine_bench --help | grep -q -- "--device"; then
+    stamp "engine batch-size sweep"
+    timeout 150 "$PYTHON" -m benchmarks.engine_bench --section batch --dtypes bfloat16 --device "$DEVICE" \
+        --batch-sizes 1,4,8,16,32 --max-tokens "$MAX_TOKENS" ${MODEL:+--model "$MODEL"} \
+        --json "$OUT_DIR/engine_batch.json" | tee "$OUT_DIR/engine_batch.md" \
+        || echo "engine sweep failed or ran out of time" >&2
+else
+    echo "benchmarks.engine_bench has no --device flag yet: engine sweep skipped" >&2
+fi
+
+serve() {  # serve NAME CONCURRENCY [specd flags...]
+    local name=$1 levels=$2
+    shift 2
+    stamp "serving benchmark: $name"
+    timeout 240 "$PYTHON" -m benchmarks.serve_bench --device "$DEVICE" --dtype bfloat16 ${MODEL:+--model "$MODEL"} \
+        --concurrency "$levels" --max-tokens "$MAX_TOKENS" --max-seconds 30 --out-dir "$OUT_DIR/$name" "$@" \
+        > /dev/null || echo "serving benchmark $name failed or ran out of time" >&2
+}
+serve ngram "$CONCURRENCY" --draft ngram
+DRAFT_DIR=$("$PYTHON" -c "import sys; from benchmarks.make_draft import make_layer_draft; \
+print(make_layer_draft(sys.argv[1] or None, int(sys.argv[2])))" "${MODEL:-}" "$DRAFT_LAYERS")
+serve "draft${DRAFT_LAYERS}L" "$DRAFT_CONCURRENCY" --draft-model "$DRAFT_DIR"
+
+stamp "summary"
+"$PYTHON" - "$OUT_DIR" <<'EOF'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+floor = json.loads((out / "floor.json").read_text())
+lines = ["| measure | ms per decode step |", "|---|---|",
+         f"| bandwidth floor: {floor['weight_bytes'] / 1e6:.0f} MB / {floor['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s "
+         f"| {floor['floor_ms']:.3f} |"]
+engine = out / "engine_batch.json"
+if engine.exists():
+    for rec in json.loads(engine.read_text()):
+        if rec["seqs"] == 1:
+            lines.append(f"| engine, batch 1, spec off (1 / tok/s) | {1e3 / rec['engine_tps']:.2f} |")
+reports = sorted(out.glob("*/serve_bench.json"))
+for path in reports:
+    for run in json.loads(path.read_text())["runs"]:
+        if run["mode"] == "off" and run["load"] == 1 and run["tpot_ms"]:
+            lines.append(f"| serving ({path.parent.name}), c=1, spec off: TPOT p50 | {run['tpot_ms']['p50']:.2f} |")
+lines += ["", "| proposer | load | off tok/s | on tok/s | auto tok/s | on / off | auto / best | accept (on) |",
+          "|---|---|---|---|---|---|---|---|"]
+for path in reports:
+    report = json.loads(path.read_text())
+    accept = {r["load"]: r["acceptance_rate"] for r in report["runs"] if r["mode"] == "on"}
+    for row in report["tradeoff"]["rows"]:
+        tps = row["output_throughput"]
+        cells = [f"{tps[m]:.0f}" if m in tps else "-" for m in ("off", "on", "auto")]
+        ratios = [f"{v:.2f}" if v is not None else "-" for v in (row["on_vs_off"], row["auto_vs_best"])]
+        rate = accept.get(row["load"])
+        lines.append(f"| {path.parent.name} | {row['load']} | {' | '.join(cells)} | {' | '.join(ratios)} | "
+                     f"{'-' if rate is None else f'{rate:.0%}'} |")
+text = "\n".join(lines)
+(out / "summary.md").write_text(text + "\n")
+print(text)
+EOF
+stamp "done: $OUT_DIR"

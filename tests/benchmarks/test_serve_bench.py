@@ -1,0 +1,130 @@
+"""The serving benchmark at CI size: a real specd (tiny Llama + its 1-layer draft), every mode.
+
+It checks that the benchmark runs end to end and that its JSON, markdown and
+plot hold what the docs promise; it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from benchmarks import serve_bench
+
+MODES = ("off", "on", "auto")
+LEVELS = (1, 2)
+NUM_REQUESTS = 4
+MAX_TOKENS = 8
+PROMPTS = ["Hello world!", "def add(a, b):", "The quick brown fox", "for i in range(10):"]
+
+
+def run_bench(tmp_path, tiny_llama_dir, tiny_draft_dir) -> tuple[int, dict, str]:
+    prompt_file = tmp_path / "tiny.jsonl"
+    prompt_file.write_text("".join(json.dumps({"id": f"t{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    out_dir = tmp_path / "out"
+    code = serve_bench.main([
+        "--model", str(tiny_llama_dir), "--draft-model", str(tiny_draft_dir),
+        "--dtype", "float32", "--device", "cpu", "--max-model-len", "256", "--num-speculative-tokens", "3",
+        "--concurrency", ",".join(map(str, LEVELS)), "--num-requests", str(NUM_REQUESTS),
+        "--max-tokens", str(MAX_TOKENS), "--prompt-sets", str(prompt_file), "--warmup", "1",
+        "--max-seconds", "120", "--ready-timeout", "120", "--out-dir", str(out_dir),
+    ])  # fmt: skip
+    return code, json.loads((out_dir / "serve_bench.json").read_text()), (out_dir / "serve_bench.md").read_text()
+
+
+def check_latencies(run: dict) -> None:
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "chunk_itl_ms", "e2e_ms"):
+        stats = run[key]
+        assert set(stats) == {"mean", "p50", "p95", "p99"}, key
+        assert 0 <= stats["p50"] <= stats["p95"] <= stats["p99"], key
+    assert run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"]
+
+
+def check_speculation(run: dict) -> None:
+    counters = run["server_counters"]
+    if run["mode"] == "off":
+        assert counters["num_draft_tokens"] == 0 and counters["steps_spec"] == 0
+        assert run["acceptance_rate"] is None and run["mean_acceptance_length"] is None
+        assert run["spec_step_share"] == 0
+    if run["mode"] == "on":  # a draft model always proposes, so forced speculation drafts
+        assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] >= counters["num_drafts"]
+        assert 0 <= run["acceptance_rate"] <= 1
+        assert 1 <= run["mean_acceptance_length"] <= 1 + 3
+        assert 0 < run["spec_step_share"] <= 1
+    if run["acceptance_rate_usage"] is not None:
+        assert 0 <= run["acceptance_rate_usage"] <= 1
+
+
+def test_serve_bench_smoke(tmp_path, tiny_llama_dir, tiny_draft_dir):
+    code, report, text = run_bench(tmp_path, tiny_llama_dir, tiny_draft_dir)
+    assert code == 0, text
+
+    runs = report["runs"]
+    assert [(r["mode"], r["load_kind"], r["load"]) for r in runs] == [
+        (mode, "concurrency", level) for level in LEVELS for mode in MODES
+    ]
+    for run in runs:
+        assert run["num_requests"] == run["num_completed"] == NUM_REQUESTS, run["errors"]
+        assert run["num_failed"] == run["num_cancelled"] == run["num_short"] == 0
+        assert run["total_output_tokens"] == NUM_REQUESTS * MAX_TOKENS  # ignore_eos: same length in every mode
+        assert run["request_throughput"] > 0 and run["output_throughput"] > 0 and run["duration_s"] > 0
+        assert run["tokens_per_chunk"] >= 1
+        check_latencies(run)
+        check_speculation(run)
+
+    meta = report["meta"]
+    assert meta["speculation"]["proposer"] == "draft_model" and meta["max_tokens"] == MAX_TOKENS
+    assert "--draft-model" in meta["server_args"]
+    rows = report["tradeoff"]["rows"]
+    assert [r["load"] for r in rows] == list(LEVELS)
+    assert all(set(r["output_throughput"]) == set(MODES) and r["auto_vs_best"] > 0 for r in rows)
+
+    for heading in ("| mode | load |", "### Latency p50 / p95 / p99", "### Speculation trade-off"):
+        assert heading in text
+    mode_rows = [line for line in text.splitlines() if line.startswith(("| off |", "| on |", "| auto |"))]
+    assert len(mode_rows) == 2 * len(runs)  # the main table and the percentiles table
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "out" / "serve_bench.png").stat().st_size > 0
+
+
+# -- the pieces, without a server ----------------------------------------------------------
+
+
+def test_percentiles_interpolate_linearly():
+    stats = serve_bench.percentiles([0.004, 0.001, 0.003, 0.002, 0.005])  # seconds -> ms
+    assert stats["p50"] == pytest.approx(3.0) and stats["mean"] == pytest.approx(3.0)
+    assert stats["p95"] == pytest.approx(4.8) and stats["p99"] == pytest.approx(4.96)
+    assert serve_bench.percentiles([]) is None
+
+
+def test_chunks_count_tokens_from_continuous_usage():
+    result = serve_bench.RequestResult("p", start=0.0)
+
+    def chunk(content: str, completion_tokens: int, choices: bool = True) -> dict:
+        usage = {"prompt_tokens": 5, "completion_tokens": completion_tokens,
+                 "completion_tokens_details": {"accepted_prediction_tokens": 2, "rejected_prediction_tokens": 1}}
+        return {"choices": [{"delta": {"content": content}}] if choices else [], "usage": usage}
+
+    for now, piece in enumerate([chunk("", 0), chunk("a", 1), chunk("bcd", 4), chunk("", 4, choices=False)]):
+        serve_bench.on_chunk(piece, float(now), result)
+    assert result.chunk_tokens == [1, 3] and result.chunk_times == [1.0, 2.0]  # the role chunk and usage chunk carry none
+    assert (result.num_output_tokens, result.num_prompt_tokens, result.num_accepted, result.num_rejected) == (4, 5, 2, 1)
+
+
+def test_tradeoff_names_the_crossover_and_auto_against_the_better_mode():
+    tps = {1: (10, 15, 14.9), 2: (20, 18, 21), 4: (40, 41, 40), 8: (80, 60, 60)}  # off, on, auto
+    runs = [{"load_kind": "concurrency", "load": level, "mode": mode, "output_throughput": value}
+            for level, values in tps.items() for mode, value in zip(("off", "on", "auto"), values)]  # fmt: skip
+    summary = serve_bench.tradeoff(runs)
+    assert summary["crossover_concurrency"] == 8  # on beat off again at 4
+    assert summary["worst_auto_vs_best"] == {"load_kind": "concurrency", "load": 8, "auto_vs_best": 0.75}
+    assert [round(r["on_vs_off"], 2) for r in summary["rows"]] == [1.5, 0.9, 1.02, 0.75]
+
+
+def test_only_loopback_targets(capsys):
+    with pytest.raises(SystemExit):
+        serve_bench.parse_args(["--base-url", "http://10.0.0.5:8000"])
+    assert "loopback" in capsys.readouterr().err
+    assert serve_bench.parse_args(["--base-url", "http://localhost:8000"]).base_url
