@@ -8,7 +8,7 @@ PORT   ?= 8000
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench bench-serve soak clean
 
 install: $(STAMP)
 
@@ -28,6 +28,13 @@ test: install
 
 bench: install
 	$(BIN)/python -m benchmarks.engine_bench
+	$(BIN)/python -m benchmarks.serve_bench
+
+bench-engine: install
+	$(BIN)/python -m benchmarks.engine_bench
+
+bench-serve: install
+	$(BIN)/python -m benchmarks.serve_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache

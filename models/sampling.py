@@ -30,6 +30,7 @@ from scheduler.types import SamplingParams
 STREAM_SAMPLE = 0
 STREAM_ACCEPT = 1
 STREAM_DRAFT = 2
+MIN_REPETITION_PENALTY = 1e-6
 
 
 @dataclass
@@ -89,7 +90,8 @@ class SamplingTensors:
             min_p=floats([p.min_p for p in params]),
             presence_penalty=floats([p.presence_penalty for p in params]),
             frequency_penalty=floats([p.frequency_penalty for p in params]),
-            repetition_penalty=floats([p.repetition_penalty for p in params]),
+            # A penalty near 0 would divide logits into inf (NaN probabilities); 1e-6 acts the same.
+            repetition_penalty=floats([max(p.repetition_penalty, MIN_REPETITION_PENALTY) for p in params]),
             is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             seeds=longs([p.seed for p in params]),
             logit_bias_rows=longs(bias_rows),
@@ -219,7 +221,8 @@ def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, no_top_p: bool) -
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = F.pad(sorted_probs.cumsum(dim=-1)[..., :-1], (1, 0))  # [R, n, V]
         p = top_p[:, None, None]
-        sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (p < 1.0), float("-inf"))
+        # (rank > 0: a top_p that underflows to 0.0 in float32 must still keep the top token.)
+        sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (p < 1.0) & (ranks > 0), float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
 
 

@@ -17,6 +17,9 @@ SpeculationMode = Literal["auto", True, False]
 MAX_SPEC_TOKENS = 16  # per-request `num_speculative_tokens` upper bound
 MAX_LOGIT_BIAS = 1024  # entries in one request's `logit_bias`
 MAX_TOP_LOGPROBS = 20  # as OpenAI
+# Temperatures below this decode greedily (as vLLM): dividing float32 logits by
+# a smaller one overflows to inf, and the softmax of inf is NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class InvalidRequestError(ValueError):
@@ -33,7 +36,7 @@ class InvalidRequestError(ValueError):
 class SamplingParams:
     """Per-request decoding parameters, validated on construction.
 
-    temperature == 0 means greedy. `top_k` <= 0 and `top_p` == 1 disable those
+    temperature 0 (or below GREEDY_TEMPERATURE) means greedy. `top_k` <= 0 and `top_p` == 1 disable those
     filters. `logprobs` None: no logprobs; 0: the chosen token's; n: plus the
     top n. `seed` None draws a random seed: every request samples from its own
     counter-based stream, so its tokens never depend on its batch neighbours.
@@ -64,7 +67,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         def bad(param: str, why: str) -> InvalidRequestError:

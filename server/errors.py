@@ -132,7 +132,7 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
     located = (first.get("ctx") or {}).get("error")
     if hasattr(located, "param"):  # a whole-body check that names the field itself (server.protocol)
         return str(located), located.param
-    if first.get("type") == "model_attributes_type" or first.get("loc") in (("body",), ["body"]):
+    if tuple(first.get("loc", ())) in (("body",), ()):  # the body itself (a nested non-object names its field)
         if isinstance(first.get("input"), (bytes, str)):
             return "the request body must be a JSON object sent with 'Content-Type: application/json'", None
         return "the request body must be a JSON object", None
