@@ -8,7 +8,7 @@ PORT   ?= 8000
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test bench bench-serve soak clean
+.PHONY: install serve test bench bench-engine bench-serve soak clean
 
 install: $(STAMP)
 

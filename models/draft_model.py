@@ -20,6 +20,7 @@ from models.sampling import (
     STREAM_DRAFT,
     SamplingTensors,
     build_token_counts,
+    greedy_ids,
     process_logits,
     sample_from_probs,
     uniform_noise,
@@ -69,21 +70,25 @@ class DraftModelProposer:
             if not st.no_penalties:
                 output_counts = build_token_counts([r.output_ids + drafted[i] for r, i in zip(subset, active)], vocab, device)
                 prompt_mask = build_token_counts([r.prompt_ids for r in subset], vocab, device) > 0
-            q = process_logits(logits[:, None], st, output_counts, prompt_mask, None)  # [rows, 1, vocab]
-            positions = torch.tensor([len(r.output_ids) + j for r in subset], device=device)[:, None]
-            u = uniform_noise(st.seeds, positions, STREAM_DRAFT)
-            tokens = sample_from_probs(q, u)[:, 0].tolist()
+            if st.all_greedy:  # q is one-hot on the argmax: the draft token says it all
+                q = None
+                tokens = greedy_ids(logits[:, None], st, output_counts, prompt_mask)[:, 0].tolist()
+            else:
+                q = process_logits(logits[:, None], st, output_counts, prompt_mask, None)  # [rows, 1, vocab]
+                positions = torch.tensor([len(r.output_ids) + j for r in subset], device=device)[:, None]
+                u = uniform_noise(st.seeds, positions, STREAM_DRAFT)
+                tokens = sample_from_probs(q, u)[:, 0].tolist()
             for row, i in enumerate(active):
                 drafted[i].append(tokens[row])
-                probs[i].append(q[row, 0])
+                if q is not None:
+                    probs[i].append(q[row, 0])
                 starts[i] += len(feeds[i])
                 feeds[i] = [tokens[row]]
         for i, request in enumerate(requests):
             if drafted[i]:
                 self._computed[request.request_id] = starts[i]
-        return [
-            Draft(ids, self.method, torch.stack(p) if p else None) for ids, p in zip(drafted, probs)
-        ]
+        # q is kept only for sampled rows; greedy rows' q is one-hot on the draft (probs None).
+        return [Draft(ids, self.method, torch.stack(p) if p else None) for ids, p in zip(drafted, probs)]
 
 
 def _to_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:

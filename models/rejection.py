@@ -86,3 +86,20 @@ def rejection_sample(
     output_ids[:, :k] = torch.where(positions[:k] < num_accepted[:, None], draft_ids, -1)
     output_ids[rows, num_accepted] = next_ids
     return num_accepted, output_ids
+
+
+def greedy_verify(draft_ids: Tensor, num_draft: Tensor, target_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """`rejection_sample` for rows whose p and q are one-hot (greedy), from argmaxes.
+
+    Accept drafts while they equal the target's argmax `target_ids` `[R, k + 1]`;
+    the next token is the target's argmax at the first mismatch (or the bonus
+    position). Same returns as `rejection_sample`.
+    """
+    num_rows, k = draft_ids.shape
+    positions = torch.arange(k + 1, device=draft_ids.device)
+    is_accepted = (positions[:k] < num_draft[:, None]) & (draft_ids == target_ids[:, :k])  # [R, k]
+    num_accepted = is_accepted.long().cumprod(dim=1).sum(dim=1)  # [R]
+    output_ids = torch.where(positions < num_accepted[:, None], target_ids, -1)  # accepted drafts == argmax
+    rows = torch.arange(num_rows, device=draft_ids.device)
+    output_ids[rows, num_accepted] = target_ids[rows, num_accepted]
+    return num_accepted, output_ids

@@ -19,13 +19,14 @@ from models.forward import packed_forward
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache
 from models.loader import LoadedModel
 from models.proposers import Draft, PredictionProposer, Proposer
-from models.rejection import rejection_sample
+from models.rejection import greedy_verify, rejection_sample
 from models.sampling import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
     SamplingTensors,
     build_token_counts,
     compute_logprobs,
+    greedy_ids,
     process_logits,
     sample_from_probs,
     uniform_noise,
@@ -196,21 +197,26 @@ class ModelRunner:
                 dtype=torch.long,
                 device=device,
             )  # [rows, n_max - 1]
-        probs = process_logits(grid, st, output_counts, prompt_mask, draft_ids)  # [rows, n_max, vocab]
-
-        positions = torch.tensor([len(req.output_ids) for req in requests], device=device)[:, None] + torch.arange(
-            n_max, device=device
-        )  # [rows, n_max]
-        u_sample = uniform_noise(st.seeds, positions, STREAM_SAMPLE)
-        if n_max == 1:
-            num_accepted = torch.zeros(num_rows, dtype=torch.long, device=device)
-            token_ids = sample_from_probs(probs, u_sample)  # [rows, 1]
+        if st.all_greedy:  # p and q are one-hot: compare argmaxes, no probabilities
+            target_ids = greedy_ids(grid, st, output_counts, prompt_mask, draft_ids)  # [rows, n_max]
+            if n_max == 1:
+                num_accepted, token_ids = torch.zeros(num_rows, dtype=torch.long, device=device), target_ids
+            else:
+                num_accepted, token_ids = greedy_verify(draft_ids, torch.tensor(num_draft, device=device), target_ids)
         else:
-            u_accept = uniform_noise(st.seeds, positions[:, :-1], STREAM_ACCEPT)
-            q = self._draft_probs(row_drafts, num_draft, n_max - 1, vocab, device)
-            num_accepted, token_ids = rejection_sample(
-                draft_ids, torch.tensor(num_draft, device=device), q, probs, u_accept, u_sample
-            )
+            probs = process_logits(grid, st, output_counts, prompt_mask, draft_ids)  # [rows, n_max, vocab]
+            positions = torch.tensor([len(req.output_ids) for req in requests], device=device)[:, None]
+            positions = positions + torch.arange(n_max, device=device)  # [rows, n_max]
+            u_sample = uniform_noise(st.seeds, positions, STREAM_SAMPLE)
+            if n_max == 1:
+                num_accepted = torch.zeros(num_rows, dtype=torch.long, device=device)
+                token_ids = sample_from_probs(probs, u_sample)  # [rows, 1]
+            else:
+                u_accept = uniform_noise(st.seeds, positions[:, :-1], STREAM_ACCEPT)
+                q = self._draft_probs(row_drafts, num_draft, n_max - 1, vocab, device)
+                num_accepted, token_ids = rejection_sample(
+                    draft_ids, torch.tensor(num_draft, device=device), q, probs, u_accept, u_sample
+                )
         finite = torch.isfinite(grid).flatten(1).all(1)
         # One host sync for the whole step.
         host = torch.cat([finite[:, None].long(), num_accepted[:, None], token_ids], dim=1).tolist()

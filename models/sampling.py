@@ -143,6 +143,31 @@ def process_logits(
     padding and count for nothing), so every position is penalised exactly as
     plain decoding would penalise it. Greedy rows come back exactly one-hot.
     """
+    logits = _biased_and_penalised(logits, st, output_counts, prompt_mask, draft_ids)
+    if st.all_greedy:
+        return _one_hot_argmax(logits)
+    probs = _filtered_probs(logits, st)
+    if st.any_greedy:
+        probs = torch.where(st.is_greedy[:, None, None], _one_hot_argmax(logits), probs)
+    return probs
+
+
+def greedy_ids(
+    logits: Tensor,
+    st: SamplingTensors,
+    output_counts: Tensor | None,
+    prompt_mask: Tensor | None,
+    draft_ids: Tensor | None = None,
+) -> Tensor:
+    """Argmax of the processed logits `[R, n, V]` -> `[R, n]`: the all-greedy fast
+    path, equal to sampling from `process_logits` (exactly one-hot) with any u,
+    without materialising probabilities."""
+    if st.no_logit_bias and st.no_penalties:
+        return logits.argmax(dim=-1)
+    return _biased_and_penalised(logits, st, output_counts, prompt_mask, draft_ids).argmax(dim=-1)
+
+
+def _biased_and_penalised(logits, st, output_counts, prompt_mask, draft_ids) -> Tensor:
     logits = logits.to(torch.float32, copy=True)  # [R, n, V]
     if not st.no_logit_bias:
         bias = torch.zeros(logits.shape[0], logits.shape[2], dtype=logits.dtype, device=logits.device)
@@ -150,12 +175,7 @@ def process_logits(
         logits += bias[:, None, :]
     if not st.no_penalties:
         _apply_penalties(logits, st, output_counts, prompt_mask, draft_ids)
-    if st.all_greedy:
-        return _one_hot_argmax(logits)
-    probs = _filtered_probs(logits, st)
-    if st.any_greedy:
-        probs = torch.where(st.is_greedy[:, None, None], _one_hot_argmax(logits), probs)
-    return probs
+    return logits
 
 
 def _apply_penalties(

@@ -249,7 +249,7 @@ class AsyncEngine:
         forward = output.phase_seconds.get("verify") or output.phase_seconds.get("decode")
         if forward is not None:
             num_fed = sum(len(r.token_ids) for r in batch.rows) + sum(c.num_draft_tokens for c in spec.values())
-            self.scheduler.policy.cost.observe(num_fed, forward)
+            self.scheduler.policy.cost.observe(num_fed, forward, is_spec=bool(spec))
         if "draft" in output.phase_seconds:
             positions = max((r.num_draft_tokens for r in output.rows), default=0)
             self.scheduler.policy.cost.observe_draft(positions, output.phase_seconds["draft"])

@@ -10,14 +10,16 @@ Rule (documented in README, "Speculation policy"):
   estimate alpha (maximum-likelihood under a geometric model, exponentially
   decayed: alpha = accepted / (accepted + rejections)). The k-th draft token
   of a row is accepted, and so yields an extra token, with probability
-  alpha^k. A step's time is modelled as a + b * tokens (fitted online by
-  the engine from its own steps). Adding a draft token with expected gain g
-  raises the step's throughput E/S (tokens per second) iff g * S > b_eff * E,
-  with b_eff = b + the proposer's measured seconds per draft position (a draft
-  model's forward; near zero for n-gram). Candidate draft positions of
-  all auto rows are taken greedily by decreasing alpha^k while that holds, so
-  the same acceptance buys long drafts at batch 1 (cheap verify) and none in a
-  large, compute-bound batch.
+  alpha^k. A step's time is modelled as a + b * tokens + c * [speculates]
+  (fitted online by the engine from its own steps; c is the fixed extra work
+  of a verify step). Adding a draft token with expected gain g raises the
+  step's throughput E/S (tokens per second) iff g * S > b_eff * E, with
+  b_eff = b + the proposer's measured seconds per draft position (a draft
+  model's forward; near zero for n-gram). Candidate draft positions of all
+  auto rows are taken greedily by decreasing alpha^k while that holds; the
+  step then speculates only if its expected tokens per second, c included,
+  beat the plain step's. So the same acceptance buys long drafts at batch 1
+  (cheap verify) and none in a large, compute-bound batch.
 * A request whose drafts stopped paying (k = 0) probes with one draft token
   after `probe_interval` plain steps (doubling up to 64 while probes fail), so
   K comes back when acceptance comes back.
@@ -61,37 +63,64 @@ class AcceptanceState:
 
 @dataclass
 class StepCostModel:
-    """Step time = a + b * tokens, fitted by exponentially weighted least squares."""
+    """Step time = a + b * tokens + c * [step speculates], fitted online.
+
+    c is what a speculative step costs beyond its tokens (padded verify
+    attention, the sampling grid, the rejection sampler). Exponentially
+    weighted least squares over recent steps, with a light ridge that keeps b
+    near 2% of a step and c near 0 until the data says otherwise (a batch that
+    never changes size cannot separate a from b on its own).
+    """
 
     a: float = 1.0
     b: float = 0.02  # prior: one more token costs 2% of a small step (memory-bound)
+    c: float = 0.0
     # Seconds the proposer spends per draft position (EMA of the draft phase / k).
     draft: float = 0.0
     weight: float = 0.05
-    _n: float = 0.0
-    _sx: float = 0.0
-    _sy: float = 0.0
-    _sxx: float = 0.0
-    _sxy: float = 0.0
+    ridge: float = 1e-3
+    _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    _xy: list[float] = field(default_factory=lambda: [0.0] * 3)
+    _mean: float = 0.0
 
     def observe_draft(self, num_positions: int, seconds: float) -> None:
         if num_positions > 0:
             self.draft += self.weight * (seconds / num_positions - self.draft)
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        w = self.weight
-        keep = 1.0 - w
-        self._n = keep * self._n + w
-        self._sx = keep * self._sx + w * num_tokens
-        self._sy = keep * self._sy + w * seconds
-        self._sxx = keep * self._sxx + w * num_tokens * num_tokens
-        self._sxy = keep * self._sxy + w * num_tokens * seconds
-        var = self._sxx / self._n - (self._sx / self._n) ** 2
-        if var > 1e-6:
-            b = (self._sxy / self._n - (self._sx / self._n) * (self._sy / self._n)) / var
-            a = self._sy / self._n - b * self._sx / self._n
-            if b > 0 and a > 0:
-                self.a, self.b = a, b
+    def observe(self, num_tokens: int, seconds: float, is_spec: bool = False) -> None:
+        w, keep = self.weight, 1.0 - self.weight
+        x = (1.0, float(num_tokens), 1.0 if is_spec else 0.0)
+        for i in range(3):
+            self._xy[i] = keep * self._xy[i] + w * x[i] * seconds
+            for j in range(3):
+                self._xx[i][j] = keep * self._xx[i][j] + w * x[i] * x[j]
+        self._mean = seconds if self._mean == 0.0 else keep * self._mean + w * seconds
+        # Ridge toward (free a, b = 2% of a step, c = 0), scaled to the data.
+        prior = (0.0, 0.02 * self._mean, 0.0)
+        strength = (0.0, self.ridge * max(self._xx[1][1], 1.0), self.ridge)
+        matrix = [[self._xx[i][j] + (strength[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
+        rhs = [self._xy[i] + strength[i] * prior[i] for i in range(3)]
+        solution = _solve3(matrix, rhs)
+        if solution is not None and solution[0] > 0 and solution[1] > 0:
+            self.a, self.b, self.c = solution[0], solution[1], max(solution[2], 0.0)
+
+
+def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting for a 3x3 system."""
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-18:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, 3):
+            f = a[r][col] / a[col][col]
+            for cc in range(col, 4):
+                a[r][cc] -= f * a[col][cc]
+    x = [0.0] * 3
+    for r in (2, 1, 0):
+        x[r] = (a[r][3] - sum(a[r][cc] * x[cc] for cc in range(r + 1, 3))) / a[r][r]
+    return x
 
 
 @dataclass
@@ -139,11 +168,13 @@ class SpecPolicy:
         return ks
 
     def _choose_adaptive(self, requests, k_maxes, candidates, ks, budget) -> None:
-        a, b = self.cost.a, self.cost.b
-        b_eff = b + self.cost.draft
-        num_tokens = len(requests) + sum(ks)
-        expected = float(len(requests))
-        seconds = a + b * num_tokens
+        cost = self.cost
+        b_eff = cost.b + cost.draft
+        expected = float(len(requests)) + sum(ks)  # forced drafts count as gain-free here
+        plain_seconds = seconds = cost.a + cost.b * (len(requests) + sum(ks))
+        already_spec = any(ks)
+        if not already_spec:
+            seconds += cost.c  # the first draft makes this a speculative step
         candidates.sort(key=lambda c: -c[0])
         chosen = [0] * len(requests)
         for gain, i in candidates:
@@ -153,6 +184,12 @@ class SpecPolicy:
             expected += gain
             seconds += b_eff
             budget -= 1
+        # All-or-nothing check for the fixed cost: speculate only if the whole
+        # step's throughput beats the plain step's.
+        if not already_spec and any(chosen):
+            plain_expected = float(len(requests))
+            if expected / seconds <= plain_expected / plain_seconds:
+                chosen = [0] * len(requests)
         for i, request in enumerate(requests):
             if request.params.speculation != "auto" or k_maxes[i] == 0:
                 continue

@@ -286,3 +286,21 @@ def test_harness_rejects_q_processed_differently_from_the_draw():
     assert chisquare_pvalue(output_ids[:, 0], p[0]) < P_VALUE_FLOOR
     _, output_ids = speculate(rejection_sample, p, drawn_from, drawn_from, num_draft, seed=2)
     assert chisquare_pvalue(output_ids[:, 0], p[0]) > P_VALUE_FLOOR
+
+
+def test_greedy_verify_equals_rejection_sample_on_one_hot_rows():
+    from models.rejection import greedy_verify
+
+    g = torch.Generator().manual_seed(3)
+    rows, k, vocab = 64, 4, 6  # a small vocabulary: drafts often match
+    target_ids = torch.randint(0, vocab, (rows, k + 1), generator=g)
+    draft_ids = torch.where(torch.rand(rows, k, generator=g) < 0.7, target_ids[:, :k], torch.randint(0, vocab, (rows, k), generator=g))
+    num_draft = torch.randint(0, k + 1, (rows,), generator=g)
+    p = torch.nn.functional.one_hot(target_ids, vocab).float()
+    q = torch.nn.functional.one_hot(draft_ids, vocab).float()
+    u_accept = torch.rand(rows, k, generator=g, dtype=torch.float64)
+    u_sample = torch.rand(rows, k + 1, generator=g, dtype=torch.float64)
+    expected = rejection_sample(draft_ids, num_draft, q, p, u_accept, u_sample)
+    actual = greedy_verify(draft_ids, num_draft, target_ids)
+    assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
+    assert 0 < expected[0].float().mean() < k

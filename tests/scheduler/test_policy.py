@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler.policy import SpecConfig, SpecPolicy, StepCostModel
 from scheduler.types import Request, SamplingParams
 
@@ -59,12 +61,32 @@ def test_cost_model_weighs_batch_step_cost():
     assert sum(slow_draft.decide(batch, [16] * 4, budget=64)) == 0
 
 
-def test_cost_model_fits_a_line():
+def test_cost_model_fits_tokens_and_the_fixed_cost_of_speculating():
     cost = StepCostModel()
     for _ in range(200):
-        for tokens in (1, 4, 8, 16):
-            cost.observe(tokens, 0.010 + 0.002 * tokens)
-    assert abs(cost.a - 0.010) < 1e-4 and abs(cost.b - 0.002) < 1e-5
+        for tokens, is_spec in ((1, False), (4, True), (8, False), (16, True)):
+            cost.observe(tokens, 0.010 + 0.002 * tokens + (0.003 if is_spec else 0.0), is_spec)
+    assert cost.a == pytest.approx(0.010, rel=0.02)
+    assert cost.b == pytest.approx(0.002, rel=0.02)
+    assert cost.c == pytest.approx(0.003, rel=0.05)
+    # A batch that never changes size still gives a usable (prior-shaped) model.
+    flat = StepCostModel()
+    for _ in range(100):
+        flat.observe(8, 0.040)
+    assert flat.a > 0 and 0 < flat.b < 0.040 / 8 and flat.a + 8 * flat.b == pytest.approx(0.040, rel=0.01)
+
+
+def test_fixed_spec_cost_keeps_weak_drafts_off():
+    """Drafts that pay per token can still lose to the fixed cost of a verify step."""
+    batch = [req(f"r{i}") for i in range(8)]
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=4), has_proposer=True,
+                        cost=StepCostModel(a=0.040, b=0.001, c=0.0))  # fmt: skip
+    for r in batch:
+        for _ in range(3):
+            policy.observe(r, 4, 0)  # alpha ~ 0.18 once the prior decays
+    assert sum(policy.decide(batch, [16] * 8, budget=64)) > 0
+    policy.cost.c = 0.006
+    assert sum(policy.decide(batch, [16] * 8, budget=64)) == 0
 
 
 def test_modes_threshold_and_no_proposer():
