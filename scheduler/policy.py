@@ -8,7 +8,8 @@ Rule (documented in README, "Speculation policy"):
   rows; above it the step is the plain decode path (no proposer call).
 * Adaptive K for `auto` rows. Each request keeps a per-token acceptance
   estimate alpha (maximum-likelihood under a geometric model, exponentially
-  decayed: alpha = accepted / (accepted + rejections)). The k-th draft token
+  decayed: alpha = accepted / (accepted + rejections)), starting from the
+  engine-wide recent estimate (a fresh server: 0.6). The k-th draft token
   of a row is accepted, and so yields an extra token, with probability
   alpha^k. A step's time is modelled as a + b * tokens + c * [speculates]
   (fitted online by the engine from its own steps; c is the fixed extra work
@@ -129,6 +130,7 @@ class SpecPolicy:
     has_proposer: bool
     cost: StepCostModel = field(default_factory=StepCostModel)
     _state: dict[str, AcceptanceState] = field(default_factory=dict)
+    _recent: AcceptanceState = field(default_factory=lambda: AcceptanceState(0.0, 0.0))
 
     def decide(self, requests: list[Request], caps: list[int], budget: int) -> list[int]:
         """Draft tokens per request for this step (same order).
@@ -212,6 +214,9 @@ class SpecPolicy:
         rejected = 1.0 if num_accepted < num_drafted else 0.0
         state.accepted = d * state.accepted + num_accepted
         state.rejections = d * state.rejections + rejected
+        keep = 0.98  # engine-wide estimate over the last ~50 verify steps: new requests' prior
+        self._recent.accepted = keep * self._recent.accepted + num_accepted
+        self._recent.rejections = keep * self._recent.rejections + rejected
         if state.plain_steps:  # this was a probe
             state.probe_backoff = 0 if num_accepted else min(state.probe_backoff + 1, 3)
         state.plain_steps = 0
@@ -226,7 +231,9 @@ class SpecPolicy:
     def _state_for(self, request: Request) -> AcceptanceState:
         state = self._state.get(request.request_id)
         if state is None:
-            prior = self.config.prior_acceptance
+            # A new request starts from what drafting has recently earned across
+            # requests (the configured prior before any verify step).
+            prior = self._recent.alpha if self._recent.accepted + self._recent.rejections > 0 else self.config.prior_acceptance
             state = self._state[request.request_id] = AcceptanceState(accepted=prior * 2, rejections=(1 - prior) * 2)
         return state
 
