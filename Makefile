@@ -36,5 +36,8 @@ bench-engine: install
 bench-serve: install
 	$(BIN)/python -m benchmarks.serve_bench
 
+soak: install
+	$(BIN)/python tests/reliability/soak.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -183,7 +183,7 @@ class AsyncEngine:
             try:
                 output = await loop.run_in_executor(self._thread, self.executor.execute, batch)
             except Exception as exc:  # noqa: BLE001 - isolate the faulty request, keep serving
-                await self._isolate_fault(batch, exc)
+                await self._isolate_fault(batch, exc, aborted)
                 continue
             step_seconds = time.perf_counter() - start
             outputs = self.scheduler.update(batch, output)
@@ -192,8 +192,13 @@ class AsyncEngine:
             # Let the event loop run (HTTP, new submissions) between steps.
             await asyncio.sleep(0)
 
-    async def _isolate_fault(self, batch: Batch, exc: Exception) -> None:
-        """Find the request(s) a failed step belongs to and fail only those."""
+    async def _isolate_fault(self, batch: Batch, exc: Exception, aborted: list[RequestOutput]) -> None:
+        """Find the request(s) a failed step belongs to and fail only those.
+
+        `aborted` (this step's aborts) and requests that finish in a one-row
+        re-run are recorded as finished here, since the step itself records nothing.
+        """
+        finished = list(aborted)
         request_id = getattr(exc, "request_id", None)
         if request_id is not None:
             culprits = [request_id]
@@ -210,11 +215,13 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001
                     culprits.append(row.request_id)
                     continue
-                self._publish(self.scheduler.update(single, output))
+                rerun = self.scheduler.update(single, output)
+                self._publish(rerun)
+                finished += [o for o in rerun if o.finished]
         logger.error("engine step failed for %s: %r", culprits, exc)
         outputs = [o for rid in culprits if (o := self.scheduler.fail(rid, f"engine error: {exc}"))]
         self._publish(outputs)
-        self._observe_idle(outputs)
+        self._observe_idle(finished + outputs)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -1,0 +1,328 @@
+"""Machinery shared by the reliability suite and `soak.py`.
+
+- `build_cycle_model`: a tiny Llama whose greedy output is known exactly, so
+  every request that survives a storm, a burst or a fault can be checked
+  character for character (`CycleText.expected`).
+- `ProbedServer`: a real `specd serve` process started through
+  `probe_serve.py`, which adds a test-only `GET /_probe` (live asyncio tasks,
+  threads, the engine's per-request bookkeeping); RSS and threads also come
+  from /proc.
+- `Metrics`: /metrics parsed into numbers.
+- `cut_stream`: a raw-socket streaming client that hangs up at a chosen point.
+- `Tally` / `results_table`: the counts that the closing table reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for extra in (REPO / "tests" / "server", REPO / "tests"):
+    if str(extra) not in sys.path:
+        sys.path.insert(0, str(extra))
+
+from specd_http import CYCLE_TEXT, SpecdServer, free_port  # noqa: E402
+
+PROBE_SCRIPT = HERE / "probe_serve.py"
+CYCLE_NAME = "cycle"
+API_KEY = "reliability-key"
+# The servers of the suite (conftest.py); tests build their requests from these.
+INPUT_MODEL = "tiny"
+INPUT_MAX_MODEL_LEN = 96
+INPUT_MAX_BODY_BYTES = 256 * 1024
+CHAOS_MAX_NUM_SEQS = 8
+OVERLOAD_MAX_QUEUE = 4
+OVERLOAD_MAX_NUM_SEQS = 2
+
+
+# -- the cycle model -------------------------------------------------------------------
+
+
+def build_cycle_model(tiny_dir: Path, out_dir: Path) -> Path:
+    """Rewire the tiny Llama so that after any token of CYCLE_TEXT comes the next one.
+
+    Attention and MLP outputs are zeroed, so the residual stream is the token's
+    embedding alone: cycle token i embeds as the unit vector e_i, and lm_head
+    row of token i+1 reads e_i with weight 5 (RMSNorm scales e_i to 8 e_i:
+    a logit of 40 against 0 for every other token).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    cycle = tokenizer.encode(CYCLE_TEXT, add_special_tokens=False)
+    if len(set(cycle)) != len(cycle) or len(cycle) > model.config.hidden_size:
+        raise ValueError("CYCLE_TEXT must be distinct tokens, no more than the hidden size")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight  # [vocab, hidden]
+        head = model.lm_head.weight  # [vocab, hidden]
+        head.zero_()
+        for position, token_id in enumerate(cycle):
+            embed[token_id].zero_()
+            embed[token_id, position] = 1.0
+            head[cycle[(position + 1) % len(cycle)], position] = 5.0
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+class CycleText:
+    """The exact text the cycle model writes after a prompt ending in a cycle token."""
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.ids = self.tokenizer.encode(CYCLE_TEXT, add_special_tokens=False)
+
+    def next_ids(self, prompt_ids: list[int], num_tokens: int) -> list[int]:
+        start = self.ids.index(prompt_ids[-1]) + 1
+        return [self.ids[(start + i) % len(self.ids)] for i in range(num_tokens)]
+
+    def expected(self, prompt: str, num_tokens: int) -> str:
+        """Completions endpoint (the prompt is tokenized as is)."""
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.tokenizer.decode(self.next_ids(ids, num_tokens))
+
+    def expected_chat(self, num_tokens: int) -> str:
+        """Chat endpoint: the template ends in "\\n", so the reply starts "Ab😀"."""
+        return self.tokenizer.decode(self.next_ids(self.tokenizer.encode("\n"), num_tokens))
+
+
+# -- a specd process with a probe ------------------------------------------------------
+
+
+class ProbedServer(SpecdServer):
+    """`specd serve` run through probe_serve.py: the same server plus GET /_probe."""
+
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        self.api_key = api_key
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
+        # Tiny models gain nothing from intra-op threads, and on a shared CPU a
+        # spinning thread team can stall every step; one thread keeps timings sane.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        command = [sys.executable, str(PROBE_SCRIPT), "serve", "--port", str(self.port), *args]
+        if api_key:
+            command += ["--api-key", api_key]
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def probe(self) -> dict:
+        return httpx.get(self.url + "/_probe", timeout=30).json()
+
+    def proc_status(self) -> dict[str, int]:
+        """RSS (bytes) and OS threads of the server process, from /proc."""
+        fields = {}
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "Threads"):
+                fields[key] = int(value.split()[0])
+        return {"rss": fields["VmRSS"] * 1024, "threads": fields["Threads"]}
+
+    def metrics(self) -> "Metrics":
+        return Metrics(httpx.get(self.url + "/metrics", headers=self.headers, timeout=30).text)
+
+    def wait_idle(self, timeout: float = 120) -> "Metrics":
+        """Poll /metrics until nothing runs or waits; returns the idle scrape."""
+        deadline = time.monotonic() + timeout
+        while True:
+            metrics = self.metrics()
+            if metrics.value("specd_requests_running") == 0 and metrics.value("specd_requests_waiting") == 0:
+                return metrics
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not idle after {timeout}s: {self.probe()}")
+            time.sleep(0.1)
+
+
+def start_probed(args: list[str], log_dir: Path, name: str, api_key: str | None = None) -> ProbedServer:
+    server = ProbedServer(args, log_dir / f"{name}.log", api_key)
+    server.wait_ready()
+    return server
+
+
+def leaked_bookkeeping(probe: dict) -> dict[str, int]:
+    """Per-request engine state that must be empty when nothing runs."""
+    keys = ("streams", "timings", "requests", "waiting", "running", "aborted", "policy_states", "proposer_states")
+    leaked = {k: probe[k] for k in keys if probe.get(k)}
+    if probe.get("kv_usage"):
+        leaked["kv_usage"] = probe["kv_usage"]
+    if probe.get("free_slots") != probe.get("num_slots"):
+        leaked["slots_in_use"] = probe.get("num_slots", 0) - probe.get("free_slots", 0)
+    return leaked
+
+
+# -- metrics -----------------------------------------------------------------------------
+
+
+class Metrics:
+    """One /metrics scrape: `value(name, **labels)` sums the matching samples."""
+
+    def __init__(self, text: str):
+        from prometheus_client.parser import text_string_to_metric_families
+
+        self.samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def value(self, name: str, **labels: str) -> float:
+        return sum(
+            s.value for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+
+# -- a client that hangs up ---------------------------------------------------------------
+
+
+@dataclass
+class CutResult:
+    events: int = 0  # SSE `data:` lines seen before hanging up
+    done: bool = False  # `[DONE]` arrived before the cut point
+    status: int | None = None
+
+
+async def cut_stream(
+    port: int,
+    path: str,
+    body: dict,
+    cut: str,
+    after_events: int = 0,
+    headers: dict[str, str] | None = None,
+    reset: bool = False,
+) -> CutResult:
+    """POST a streaming request over a raw socket and hang up at `cut`:
+
+    "mid_body" (half the body sent), "after_request" (before any reply),
+    "after_headers", or "after_events" (after `after_events` SSE events).
+    `reset` closes with RST (SO_LINGER 0) instead of FIN.
+    """
+    payload = json.dumps(body).encode()
+    head = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
+    head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    head += [f"Content-Length: {len(payload)}", "", ""]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    result = CutResult()
+    try:
+        if cut == "mid_body":
+            writer.write("\r\n".join(head).encode() + payload[: len(payload) // 2])
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            return result
+        writer.write("\r\n".join(head).encode() + payload)
+        await writer.drain()
+        if cut == "after_request":
+            return result
+        status_line = await reader.readline()
+        result.status = int(status_line.split()[1]) if status_line else None
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            pass
+        if cut == "after_headers":
+            return result
+        buffer = b""
+        while result.events < after_events:
+            chunk = await reader.read(4096)
+            if not chunk:
+                break
+            buffer += chunk
+            result.events = buffer.count(b"data: ")
+            if b"data: [DONE]" in buffer:
+                result.done = True
+                break
+        return result
+    finally:
+        if reset:
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            writer.transport.abort()
+        else:
+            writer.close()
+        try:
+            await writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+
+
+def sse_events(text: str) -> list[str]:
+    """The payloads of an SSE body's `data:` lines, in order."""
+    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def stream_text(events: list[str]) -> tuple[str, list[str], list[dict]]:
+    """(concatenated text, finish reasons, error objects) of a completions or chat stream."""
+    text, finishes, errors = "", [], []
+    for event in events:
+        if event == "[DONE]":
+            continue
+        chunk = json.loads(event)
+        if "error" in chunk:
+            errors.append(chunk["error"])
+            continue
+        for choice in chunk.get("choices", []):
+            text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if choice.get("finish_reason"):
+                finishes.append(choice["finish_reason"])
+    return text, finishes, errors
+
+
+# -- results ------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """What the closing table reports; each test adds its share."""
+
+    cases_tried: int = 0  # bad-input battery cases and property-based examples
+    requests_cut: int = 0
+    requests_shed: int = 0  # 503 + Retry-After under overload
+    faults_injected: int = 0
+    requests_lost: int = 0  # neither a correct reply, nor an expected error, nor cut by its client
+    memory_growth: float | None = None  # soak RSS growth after warm-up, as a fraction
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+def results_table(tally: Tally) -> str:
+    growth = "-" if tally.memory_growth is None else f"{tally.memory_growth * 100:+.2f}%"
+    rows = [
+        ("cases tried", str(tally.cases_tried)),
+        ("requests cut", str(tally.requests_cut)),
+        ("requests shed (503)", str(tally.requests_shed)),
+        ("faults injected", str(tally.faults_injected)),
+        ("requests lost", str(tally.requests_lost)),
+        ("memory growth (soak, after warm-up)", growth),
+    ]
+    rows += sorted(tally.notes.items())
+    width = max(len(name) for name, _ in rows)
+    lines = [f"| {'measure'.ljust(width)} | value |", f"| {'-' * width} | ----- |"]
+    lines += [f"| {name.ljust(width)} | {value} |" for name, value in rows]
+    return "\n".join(lines)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = min(len(ordered), max(1, math.ceil(q / 100 * len(ordered))))
+    return ordered[rank - 1]
