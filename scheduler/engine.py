@@ -41,6 +41,11 @@ class Executor(Protocol):
     def execute(self, batch: Batch) -> StepOutput: ...
 
 
+def new_step_thread() -> ThreadPoolExecutor:
+    """The one thread that should load the model and run every step (see AsyncEngine)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-step")
+
+
 class RequestStream:
     """Async iterator over one request's outputs; closing it early aborts the request."""
 
@@ -84,7 +89,15 @@ class AsyncEngine:
         executor: Executor,
         config: SchedulerConfig,
         observer: Callable[[StepStats], None] | None = None,
+        step_thread: ThreadPoolExecutor | None = None,
+        inline: bool = False,
     ):
+        """`step_thread` runs every model step; pass the thread that built the
+        model. On CPU, PyTorch's bf16 kernels run far slower once a second
+        thread has issued parallel work (measured: 38 instead of 23 ms a
+        SmolLM2 step), so one thread should own all torch work. `inline` runs
+        steps on the event-loop thread instead, for offline use where that
+        thread built the model and no HTTP needs serving meanwhile."""
         self.executor = executor
         self.config = config
         self.scheduler = Scheduler(config, has_proposer=executor.proposer_name != "none")
@@ -92,7 +105,9 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._timing: dict[str, _Timing] = {}
         self._wakeup = asyncio.Event()
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-step")
+        self._inline = inline
+        self._owns_thread = step_thread is None and not inline
+        self._thread = step_thread or (None if inline else new_step_thread())
         self._task: asyncio.Task | None = None
         self._accepting = True
         self.last_step_speculated = False
@@ -131,7 +146,8 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        self._thread.shutdown(wait=True)
+        if self._owns_thread:
+            self._thread.shutdown(wait=True)
 
     @property
     def is_running(self) -> bool:
@@ -167,7 +183,6 @@ class AsyncEngine:
 
     # -- the loop --
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             if not self.scheduler.has_work:
                 self._wakeup.clear()
@@ -181,7 +196,7 @@ class AsyncEngine:
                 continue
             start = time.perf_counter()
             try:
-                output = await loop.run_in_executor(self._thread, self.executor.execute, batch)
+                output = await self._execute(batch)
             except Exception as exc:  # noqa: BLE001 - isolate the faulty request, keep serving
                 await self._isolate_fault(batch, exc, aborted)
                 continue
@@ -191,6 +206,11 @@ class AsyncEngine:
             self._record(batch, output, outputs + aborted, step_seconds)
             # Let the event loop run (HTTP, new submissions) between steps.
             await asyncio.sleep(0)
+
+    async def _execute(self, batch: Batch) -> StepOutput:
+        if self._inline:
+            return self.executor.execute(batch)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.executor.execute, batch)
 
     async def _isolate_fault(self, batch: Batch, exc: Exception, aborted: list[RequestOutput]) -> None:
         """Find the request(s) a failed step belongs to and fail only those.
@@ -206,12 +226,11 @@ class AsyncEngine:
             culprits = [batch.rows[0].request_id]
         else:
             # Unattributed: re-run rows one at a time; the rows that still fail are the culprits.
-            loop = asyncio.get_running_loop()
             culprits = []
             for row in batch.rows:
                 single = Batch(rows=[row], finished_ids=batch.finished_ids)
                 try:
-                    output = await loop.run_in_executor(self._thread, self.executor.execute, single)
+                    output = await self._execute(single)
                 except Exception:  # noqa: BLE001
                     culprits.append(row.request_id)
                     continue

@@ -42,7 +42,7 @@ def run_offline(executor: Executor, config: SchedulerConfig, requests: list[Requ
     """Submit all requests at once (one batch where slots allow) and wait for all."""
 
     async def main() -> list[Completion]:
-        engine = AsyncEngine(executor, config)
+        engine = AsyncEngine(executor, config, inline=True)  # this thread built the model
         await engine.start()
         try:
             return list(await asyncio.gather(*(collect(engine, r) for r in requests)))

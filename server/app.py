@@ -14,13 +14,14 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from scheduler.engine import AsyncEngine
+from scheduler.engine import AsyncEngine, new_step_thread
 from scheduler.metrics import MetricsObserver
 from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
@@ -106,18 +107,22 @@ class AppState:
     load_error: str | None = None
     draining: bool = False
     started: float = field(default_factory=time.time)
+    step_thread: ThreadPoolExecutor = field(default_factory=new_step_thread)
 
     async def start_engine(self) -> None:
         settings = self.settings
         try:
-            components = await asyncio.to_thread(build_components, settings)
+            # Load on the thread that will run every step (see AsyncEngine).
+            components = await asyncio.get_running_loop().run_in_executor(self.step_thread, build_components, settings)
         except Exception as exc:  # noqa: BLE001 - any load failure ends the process with a message
             self.load_error = str(exc)
             logger.error("cannot start: %s", exc)
             if self.on_fatal:
                 self.on_fatal()
             return
-        engine = AsyncEngine(components.runner, components.scheduler_config, observer=self.metrics.observe)
+        engine = AsyncEngine(
+            components.runner, components.scheduler_config, observer=self.metrics.observe, step_thread=self.step_thread
+        )
         await engine.start()
         self.engine = engine
         loaded = components.loaded
@@ -147,6 +152,7 @@ class AppState:
             # uvicorn has already waited --shutdown-timeout for open requests; abort what is left.
             await self.engine.stop(timeout=1.0)
             self.metrics.set_queue_state(0, 0, 0.0)
+        self.step_thread.shutdown(wait=False)
 
 
 def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -> FastAPI:

@@ -188,7 +188,7 @@ async def _generate(components, args: argparse.Namespace) -> int:
             [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
         )
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-    engine = AsyncEngine(components.runner, components.scheduler_config)
+    engine = AsyncEngine(components.runner, components.scheduler_config, inline=True)  # loaded on this thread
     await engine.start()
     try:
         params = SamplingParams(
