@@ -85,3 +85,22 @@ def test_rollback_by_moving_the_length_back(model_dir):
     for layer in range(len(cache.keys)):
         torch.testing.assert_close(cache.keys[layer][2, :, : len(kept)], fresh.keys[layer][0, :, : len(kept)], atol=TOL, rtol=0)
         torch.testing.assert_close(cache.values[layer][2, :, : len(kept)], fresh.values[layer][0, :, : len(kept)], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_attention_matches_sdpa(dtype):
+    """The low-precision CPU path computes the same attention as SDPA (GQA, ragged causal mask)."""
+    import torch.nn.functional as F
+
+    from models.kv_cache import StepLayout, _grouped_attention
+
+    g = torch.Generator().manual_seed(0)
+    layout = StepLayout.build([0, 1, 2], [40, 7, 100], [1, 5, 3], torch.device("cpu"))
+    mask = layout.mask(None)  # [3, 1, 5, 103]
+    q = torch.randn(3, 8, layout.max_q, 16, generator=g).to(dtype)
+    k = torch.randn(3, 2, layout.max_kv, 16, generator=g).to(dtype)
+    v = torch.randn(3, 2, layout.max_kv, 16, generator=g).to(dtype)
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.25, enable_gqa=True)
+    actual = _grouped_attention(q, k, v, mask, 0.25).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
