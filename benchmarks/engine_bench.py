@@ -65,7 +65,8 @@ def spec_section(dtype: str, max_tokens: int, model: str | None, draft_layers: i
             off = engine_run(target, ids, max_tokens, speculation=False, name="off")
             results = [
                 off,
-                engine_run(target, ids, max_tokens, "ngram", speculation="auto", name="ngram auto"),
+                engine_run(target, ids, max_tokens, "ngram", speculation="auto", name="ngram auto K<=4"),
+                engine_run(target, ids, max_tokens, "ngram", speculation="auto", k=10, name="ngram auto K<=10"),
                 engine_run(target, ids, max_tokens, "ngram", speculation=True, k=4, name="ngram K=4"),
                 engine_run(target, ids, max_tokens, "ngram", speculation=True, k=10, name="ngram K=10"),
                 engine_run(target, ids, max_tokens, "draft_model", str(draft_dir), speculation=True, k=4, name=f"draft {draft_layers}L K=4"),

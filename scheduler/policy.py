@@ -6,18 +6,17 @@ Rule (documented in README, "Speculation policy"):
   (request `num_speculative_tokens` or the engine's), whatever the batch size.
 * `auto` rows draft only while the step has at most `spec_disable_batch_size`
   rows; above it the step is the plain decode path (no proposer call).
-* Adaptive K for `auto` rows. Each request keeps a per-token acceptance
-  estimate alpha (maximum-likelihood under a geometric model, exponentially
-  decayed: alpha = accepted / (accepted + rejections)), starting from the
-  engine-wide recent estimate (a fresh server: 0.6). The k-th draft token
-  of a row is accepted, and so yields an extra token, with probability
-  alpha^k. A step's time is modelled as a + b * tokens + c * [speculates]
+* Adaptive K for `auto` rows. Each request keeps decayed counts, per draft
+  position j, of verify steps that reached j and that accepted it; their ratio
+  a_j = P(draft j accepted | drafts before it accepted) is shrunk toward the
+  engine-wide rate at j (a fresh server: 0.6). The k-th draft token of a row
+  yields an extra token with probability g_k = a_1 * ... * a_k. A step's time is modelled as a + b * tokens + c * [speculates]
   (fitted online by the engine from its own steps; c is the fixed extra work
   of a verify step). Adding a draft token with expected gain g raises the
   step's throughput E/S (tokens per second) iff g * S > b_eff * E, with
   b_eff = b + the proposer's measured seconds per draft position (a draft
   model's forward; near zero for n-gram). Candidate draft positions of all
-  auto rows are taken greedily by decreasing alpha^k while that holds; the
+  auto rows are taken greedily by decreasing g_k while that holds; the
   step then speculates only if its expected tokens per second, c included,
   beat the plain step's. So the same acceptance buys long drafts at batch 1
   (cheap verify) and none in a large, compute-bound batch.
@@ -51,15 +50,28 @@ class SpecConfig:
 
 
 @dataclass
+class PositionCounts:
+    """Decayed counts per draft position j (0-based): verify steps that reached j
+    (every earlier draft accepted) and those that accepted j."""
+
+    reached: list[float] = field(default_factory=lambda: [0.0] * MAX_SPEC_TOKENS)
+    accepted: list[float] = field(default_factory=lambda: [0.0] * MAX_SPEC_TOKENS)
+
+    def add(self, num_drafted: int, num_accepted: int, keep: float) -> None:
+        for j in range(MAX_SPEC_TOKENS):
+            self.reached[j] *= keep
+            self.accepted[j] *= keep
+        for j in range(min(num_drafted, num_accepted + 1)):
+            self.reached[j] += 1.0
+            if j < num_accepted:
+                self.accepted[j] += 1.0
+
+
+@dataclass
 class AcceptanceState:
-    accepted: float
-    rejections: float
+    counts: PositionCounts = field(default_factory=PositionCounts)
     plain_steps: int = 0
     probe_backoff: int = 0
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / max(self.accepted + self.rejections, 1e-9)
 
 
 @dataclass
@@ -130,7 +142,7 @@ class SpecPolicy:
     has_proposer: bool
     cost: StepCostModel = field(default_factory=StepCostModel)
     _state: dict[str, AcceptanceState] = field(default_factory=dict)
-    _recent: AcceptanceState = field(default_factory=lambda: AcceptanceState(0.0, 0.0))
+    _recent: PositionCounts = field(default_factory=PositionCounts)  # engine-wide
 
     def decide(self, requests: list[Request], caps: list[int], budget: int) -> list[int]:
         """Draft tokens per request for this step (same order).
@@ -156,10 +168,10 @@ class SpecPolicy:
                 continue
             if not auto_allowed:
                 continue
-            state = self._state_for(request)
-            alpha = state.alpha
-            for k in range(1, k_max + 1):
-                candidates.append((alpha**k, i))
+            gain = 1.0
+            for j, rate in enumerate(self._conditional_rates(self._state_for(request), k_max)):
+                gain *= rate  # P(draft j+1 accepted) = product of the conditional rates up to it
+                candidates.append((gain, i))
         # Forced rows spend the budget first.
         budget -= sum(ks)
         if budget < 0:
@@ -210,13 +222,8 @@ class SpecPolicy:
         if num_drafted == 0:
             return
         state = self._state_for(request)
-        d = self.config.decay
-        rejected = 1.0 if num_accepted < num_drafted else 0.0
-        state.accepted = d * state.accepted + num_accepted
-        state.rejections = d * state.rejections + rejected
-        keep = 0.98  # engine-wide estimate over the last ~50 verify steps: new requests' prior
-        self._recent.accepted = keep * self._recent.accepted + num_accepted
-        self._recent.rejections = keep * self._recent.rejections + rejected
+        state.counts.add(num_drafted, num_accepted, self.config.decay)
+        self._recent.add(num_drafted, num_accepted, keep=0.98)  # the last ~50 verify steps
         if state.plain_steps:  # this was a probe
             state.probe_backoff = 0 if num_accepted else min(state.probe_backoff + 1, 3)
         state.plain_steps = 0
@@ -225,16 +232,32 @@ class SpecPolicy:
         self._state.pop(request_id, None)
 
     def acceptance(self, request_id: str) -> float | None:
+        """Estimated acceptance of the request's first draft token."""
         state = self._state.get(request_id)
-        return state.alpha if state else None
+        return self._conditional_rates(state, 1)[0] if state else None
+
+    def _conditional_rates(self, state: AcceptanceState, k: int) -> list[float]:
+        """P(draft j accepted | drafts before j accepted), j < k.
+
+        The request's own decayed counts, shrunk toward the engine-wide rate
+        at that position (itself shrunk toward the configured prior) with a
+        weight of two verify steps: a new request starts from what drafting
+        has recently earned, and its own history takes over quickly. For
+        prompt lookup the later positions run high (a copy that started tends
+        to continue), which a single per-token rate would miss.
+        """
+        prior, weight = self.config.prior_acceptance, 2.0
+        rates = []
+        for j in range(k):
+            fleet = (self._recent.accepted[j] + weight * prior) / (self._recent.reached[j] + weight)
+            own = (state.counts.accepted[j] + weight * fleet) / (state.counts.reached[j] + weight)
+            rates.append(own)
+        return rates
 
     def _state_for(self, request: Request) -> AcceptanceState:
         state = self._state.get(request.request_id)
         if state is None:
-            # A new request starts from what drafting has recently earned across
-            # requests (the configured prior before any verify step).
-            prior = self._recent.alpha if self._recent.accepted + self._recent.rejections > 0 else self.config.prior_acceptance
-            state = self._state[request.request_id] = AcceptanceState(accepted=prior * 2, rejections=(1 - prior) * 2)
+            state = self._state[request.request_id] = AcceptanceState()
         return state
 
     def _k_max(self, request: Request) -> int:

@@ -45,7 +45,7 @@ def test_adaptive_k_drops_to_zero_and_recovers():
 def test_cost_model_weighs_batch_step_cost():
     """The same acceptance buys long drafts when verify is cheap and none when it is expensive."""
     cheap = SpecPolicy(SpecConfig(num_speculative_tokens=8), has_proposer=True, cost=StepCostModel(a=1.0, b=0.01))
-    costly = SpecPolicy(SpecConfig(num_speculative_tokens=8), has_proposer=True, cost=StepCostModel(a=1.0, b=0.5))
+    costly = SpecPolicy(SpecConfig(num_speculative_tokens=8), has_proposer=True, cost=StepCostModel(a=1.0, b=5.0))
     batch = [req(f"r{i}") for i in range(4)]
     for policy in (cheap, costly):
         for r in batch:
@@ -82,8 +82,10 @@ def test_fixed_spec_cost_keeps_weak_drafts_off():
     policy = SpecPolicy(SpecConfig(num_speculative_tokens=4), has_proposer=True,
                         cost=StepCostModel(a=0.040, b=0.001, c=0.0))  # fmt: skip
     for r in batch:
+        policy.observe(r, 4, 1)
         for _ in range(3):
-            policy.observe(r, 4, 0)  # alpha ~ 0.18 once the prior decays
+            policy.observe(r, 4, 0)
+    assert 0.1 < policy.acceptance("r0") < 0.3
     assert sum(policy.decide(batch, [16] * 8, budget=64)) > 0
     policy.cost.c = 0.006
     assert sum(policy.decide(batch, [16] * 8, budget=64)) == 0
@@ -109,3 +111,15 @@ def test_budget_bounds_drafts():
     policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), has_proposer=True)
     forced = [req(f"r{i}", speculation=True) for i in range(3)]
     assert sum(policy.decide(forced, [16] * 3, budget=10)) == 10
+
+
+def test_copy_runs_earn_long_drafts():
+    """Prompt lookup on a copy task: the first draft is a coin flip, but once a
+    copy starts it continues. Per-position rates see that; one per-token rate
+    (0.4 ** k) would stop at a few tokens."""
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=10), has_proposer=True, cost=StepCostModel(a=1.0, b=0.01))
+    r = req("copy")
+    for step in range(40):
+        policy.observe(r, 10, 10 if step % 5 < 2 else 0)  # 40%: all ten accepted; 60%: none
+    (k,) = policy.decide([r], [16], budget=64)
+    assert k == 10
