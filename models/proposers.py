@@ -31,13 +31,22 @@ class Proposer(Protocol):
 
 
 def find_ngram_continuation(
-    tokens: list[int], source: list[int], k: int, min_n: int, max_n: int, exclude_tail: bool
+    tokens: list[int],
+    source: list[int],
+    k: int,
+    min_n: int,
+    max_n: int,
+    exclude_tail: bool,
+    earliest: bool = True,
 ) -> list[int]:
     """Longest n-gram (max_n down to min_n) ending `tokens` that also occurs in
-    `source`; return up to k tokens that followed its latest occurrence.
+    `source`; return up to k tokens that followed its earliest (or latest)
+    occurrence.
 
-    With exclude_tail the match may not be the suffix of `source` itself
-    (source is tokens: the suffix trivially matches itself).
+    Earliest suits prompt lookup: the first occurrence is usually the passage
+    being copied (measured on SmolLM2 extraction prompts: 2.72 tokens per step
+    against 2.51 with the latest). With exclude_tail the match may not be the
+    suffix of `source` itself (source is tokens: the suffix matches itself).
     """
     if k <= 0:
         return []
@@ -45,9 +54,9 @@ def find_ngram_continuation(
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
         pattern = tokens[-n:]
         first = pattern[0]
-        # Scan right to left: the latest occurrence best predicts what comes next.
-        end = limit - n
-        for start in range(end, -1, -1):
+        last_start = limit - n
+        starts = range(0, last_start + 1) if earliest else range(last_start, -1, -1)
+        for start in starts:
             if source[start] == first and source[start : start + n] == pattern:
                 follow = source[start + n : start + n + k]
                 if follow:
@@ -56,7 +65,7 @@ def find_ngram_continuation(
 
 
 class NgramProposer:
-    """Prompt lookup decoding: copy what followed the last matching n-gram."""
+    """Prompt lookup decoding: copy what followed the first occurrence of the longest matching n-gram."""
 
     method = "ngram"
 
@@ -97,7 +106,10 @@ class PredictionProposer:
             if prediction[: len(out)] == out:
                 ids = prediction[len(out) : len(out) + k]
             else:
-                ids = find_ngram_continuation(out, prediction, k, self.min_n, self.max_n, exclude_tail=False)
+                # Re-synchronise near where the output is: the latest occurrence.
+                ids = find_ngram_continuation(
+                    out, prediction, k, self.min_n, self.max_n, exclude_tail=False, earliest=False
+                )
             drafts.append(Draft(ids, self.method))
         return drafts
 
