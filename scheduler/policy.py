@@ -34,7 +34,7 @@ from scheduler.types import MAX_SPEC_TOKENS, Request
 
 @dataclass
 class SpecConfig:
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 10
     # More than this many running requests: `auto` rows stop speculating. 0: never.
     spec_disable_batch_size: int = 8
     adaptive: bool = True

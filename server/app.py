@@ -78,7 +78,7 @@ def build_components(settings: Settings) -> Components:
         max_queue=settings.max_queue,
         eos_token_ids=loaded.eos_token_ids,
         spec=SpecConfig(
-            num_speculative_tokens=settings.num_speculative_tokens,
+            num_speculative_tokens=settings.speculative_tokens,
             spec_disable_batch_size=settings.spec_disable_batch_size,
             adaptive=settings.spec_adaptive,
         ),
@@ -158,7 +158,7 @@ class AppState:
 def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -> FastAPI:
     """`on_fatal` is called if the model cannot be loaded (the CLI then exits 1)."""
     names = served_names(settings)
-    metrics = MetricsObserver(names[0], num_speculative_tokens=settings.num_speculative_tokens)
+    metrics = MetricsObserver(names[0], num_speculative_tokens=settings.speculative_tokens)
     state = AppState(settings=settings, metrics=metrics, names=names, on_fatal=on_fatal)
 
     @asynccontextmanager

@@ -76,9 +76,21 @@ class Settings(BaseSettings):
         None, description="Proposer: ngram (prompt lookup), draft_model, or none (default: draft_model if --draft-model, else ngram)."
     )
     draft_model: str | None = Field(None, description="Hub id or directory of a draft model sharing the target's tokenizer.")
-    num_speculative_tokens: int = Field(
-        4, ge=0, le=MAX_SPEC_TOKENS, description="Most draft tokens per verify step (K)."
+    num_speculative_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_SPEC_TOKENS,
+        description="Draft tokens per verify step (K): exact for speculation=true requests, the ceiling of adaptive K "
+        "for auto ones (default: 10 with ngram, 4 with a draft model).",
     )
+
+    @property
+    def speculative_tokens(self) -> int:
+        """K, resolved: prompt lookup drafts are free to propose, a draft model's cost a forward each."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        uses_draft_model = self.draft == "draft_model" or (self.draft is None and self.draft_model)
+        return 4 if uses_draft_model else 10
     spec_disable_batch_size: int = Field(
         8, ge=0, description="Requests with speculation 'auto' stop drafting while more than N run; 0 disables it."
     )
