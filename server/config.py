@@ -91,8 +91,17 @@ class Settings(BaseSettings):
             return self.num_speculative_tokens
         uses_draft_model = self.draft == "draft_model" or (self.draft is None and self.draft_model)
         return 4 if uses_draft_model else 10
-    spec_disable_batch_size: int = Field(
-        8, ge=0, description="Requests with speculation 'auto' stop drafting while more than N run; 0 disables it."
+
+    def spec_threshold(self, device_type: str) -> int:
+        """--spec-disable-batch-size, resolved for the device the model runs on."""
+        if self.spec_disable_batch_size is not None:
+            return self.spec_disable_batch_size
+        return 2 if device_type == "cpu" else 8
+    spec_disable_batch_size: int | None = Field(
+        None,
+        ge=0,
+        description="Requests with speculation 'auto' stop drafting while more than N run; 0 disables it "
+        "(default: 8 on GPUs; 2 on CPUs, where the serving benchmark's crossover is between 2 and 4).",
     )
     spec_adaptive: bool = Field(True, description="Adapt each request's draft length to its own acceptance history.")
 

@@ -123,3 +123,9 @@ def test_speculative_tokens_default_depends_on_the_proposer():
     assert Settings(draft_model="some/draft").speculative_tokens == 4  # each draft token is a forward
     assert Settings(draft="draft_model", draft_model="d").speculative_tokens == 4
     assert Settings(draft_model="d", num_speculative_tokens=6).speculative_tokens == 6
+
+
+def test_spec_threshold_default_depends_on_the_device():
+    assert Settings().spec_threshold("cpu") == 2  # serving benchmark crossover on CPU: between 2 and 4
+    assert Settings().spec_threshold("cuda") == 8
+    assert Settings(spec_disable_batch_size=0).spec_threshold("cuda") == 0
