@@ -17,9 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,7 +31,7 @@ for extra in (REPO / "tests" / "server", REPO / "tests"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-from specd_http import CYCLE_TEXT, SpecdServer, free_port  # noqa: E402
+from specd_http import CYCLE_TEXT, SpecdServer  # noqa: E402
 
 PROBE_SCRIPT = HERE / "probe_serve.py"
 CYCLE_NAME = "cycle"
@@ -111,22 +109,10 @@ class CycleText:
 class ProbedServer(SpecdServer):
     """`specd serve` run through probe_serve.py: the same server plus GET /_probe."""
 
-    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.base_url = self.url + "/v1"
-        self.api_key = api_key
-        self.log_path = log_path
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
-        # Tiny models gain nothing from intra-op threads, and on a shared CPU a
-        # spinning thread team can stall every step; one thread keeps timings sane.
-        env.setdefault("OMP_NUM_THREADS", "1")
-        command = [sys.executable, str(PROBE_SCRIPT), "serve", "--port", str(self.port), *args]
-        if api_key:
-            command += ["--api-key", api_key]
-        self._log = log_path.open("wb")
-        self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+    entry = (str(PROBE_SCRIPT),)
+    # Tiny models gain nothing from intra-op threads, and on a shared CPU a
+    # spinning thread team can stall every step; one thread keeps timings sane.
+    extra_env = {"OMP_NUM_THREADS": "1"}
 
     @property
     def pid(self) -> int:

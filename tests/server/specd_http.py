@@ -37,6 +37,9 @@ def free_port() -> int:
 class SpecdServer:
     """One `python -m server.cli serve` process; `stop()` sends SIGTERM and returns the exit code."""
 
+    entry: tuple[str, ...] = ("-m", "server.cli")  # what `python` runs
+    extra_env: dict[str, str] = {}
+
     def __init__(self, args: list[str], log_path: Path, api_key: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -45,7 +48,9 @@ class SpecdServer:
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
-        command = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), *args]
+        for key, value in self.extra_env.items():
+            env.setdefault(key, value)
+        command = [sys.executable, *self.entry, "serve", "--port", str(self.port), *args]
         if api_key:
             command += ["--api-key", api_key]
         self._log = log_path.open("wb")
