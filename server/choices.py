@@ -296,3 +296,20 @@ def sse(payload: str) -> bytes:
 def sse_error(exc: APIError) -> bytes:
     body = {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
     return sse(json.dumps(body))
+
+
+def chunk_encoder(response_cls, ctx, req, response_id: str, created: int):
+    """SSE encoder for one streamed response: its chunks share id, created, model and fingerprint."""
+
+    def encode(items: list, usage) -> bytes:
+        body = response_cls(
+            id=response_id,
+            created=created,
+            model=req.model,
+            system_fingerprint=ctx.system_fingerprint,
+            choices=items,
+            usage=usage,
+        )
+        return sse(body.model_dump_json(exclude_none=True))
+
+    return encode

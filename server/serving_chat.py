@@ -13,10 +13,10 @@ from server.choices import (
     Choice,
     ChoiceUpdate,
     SSEResponse,
+    chunk_encoder,
     TokenInfo,
     clamp_logprob,
     collect,
-    sse,
     sse_stream,
     stream_flags,
     usage_of,
@@ -167,16 +167,7 @@ async def _complete(ctx, req, response_id, created, choices, record, num_prompt_
 def _stream(ctx, req, response_id, created, choices: list[Choice], record, num_prompt_tokens) -> SSEResponse:
     want_logprobs = choices[0].want_logprobs
 
-    def chunk(items: list[ChatChunkChoice], usage: Usage | None) -> bytes:
-        body = ChatCompletionChunk(
-            id=response_id,
-            created=created,
-            model=req.model,
-            system_fingerprint=ctx.system_fingerprint,
-            choices=items,
-            usage=usage,
-        )
-        return sse(body.model_dump_json(exclude_none=True))
+    chunk = chunk_encoder(ChatCompletionChunk, ctx, req, response_id, created)
 
     def render(update: ChoiceUpdate | None, usage: Usage | None) -> bytes:
         if update is None:

@@ -12,10 +12,10 @@ from server.choices import (
     Choice,
     ChoiceUpdate,
     SSEResponse,
+    chunk_encoder,
     TokenInfo,
     clamp_logprob,
     collect,
-    sse,
     sse_stream,
     stream_flags,
     usage_of,
@@ -131,16 +131,7 @@ async def _complete(ctx, req, response_id, created, choices, echoes, record, num
 
 
 def _stream(ctx, req, response_id, created, choices: list[Choice], echoes, record, num_prompt_tokens) -> SSEResponse:
-    def chunk(items: list[CompletionChoice], usage: Usage | None) -> bytes:
-        body = CompletionResponse(
-            id=response_id,
-            created=created,
-            model=req.model,
-            system_fingerprint=ctx.system_fingerprint,
-            choices=items,
-            usage=usage,
-        )
-        return sse(body.model_dump_json(exclude_none=True))
+    chunk = chunk_encoder(CompletionResponse, ctx, req, response_id, created)
 
     def render(update: ChoiceUpdate | None, usage: Usage | None) -> bytes:
         if update is None:
