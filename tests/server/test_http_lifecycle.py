@@ -65,3 +65,20 @@ def test_default_smollm2_streams_a_chat_reply(specd_cache_dir, tmp_path):
         assert chunks[-1].usage.completion_tokens > 0
     finally:
         finish_server(server)
+
+
+def test_a_draft_with_another_tokenizer_stops_start_up(tiny_llama_dir, tiny_draft_dir, tmp_path):
+    """The server never starts with a draft whose vocabulary differs: exit 1, and the log says why."""
+    from tiny_models import build_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    bad = tmp_path / "bad-draft"
+    AutoModelForCausalLM.from_pretrained(tiny_draft_dir).save_pretrained(bad)
+    build_tokenizer(vocab_size=300).save_pretrained(bad)
+    server = SpecdServer(["--model", str(tiny_llama_dir), "--draft-model", str(bad), "--dtype", "float32"], tmp_path / "log")
+    try:
+        assert server.process.wait(timeout=120) == 1
+        assert "incompatible" in server.log() and "tokenizer" in server.log()
+        assert "Traceback" not in server.log()
+    finally:
+        server.kill()
