@@ -9,14 +9,12 @@ expression against a MetricsObserver fed synthetic steps.
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import shutil
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -25,7 +23,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))  # helpers beside this file
 
-from prom_server import PrometheusServer, free_port, prometheus_binary  # noqa: E402
+from prom_server import PrometheusServer, free_port  # noqa: E402
 from promql import DASHBOARD, RULES, all_exprs, dashboard_exprs, rule_exprs  # noqa: E402
 
 from scheduler.metrics import MetricsObserver  # noqa: E402

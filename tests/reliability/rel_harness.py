@@ -222,7 +222,7 @@ async def cut_stream(
             return result
         status_line = await reader.readline()
         result.status = int(status_line.split()[1]) if status_line else None
-        while (line := await reader.readline()) not in (b"\r\n", b""):
+        while await reader.readline() not in (b"\r\n", b""):
             pass
         if cut == "after_headers":
             return result
