@@ -1,6 +1,6 @@
 """Machinery shared by the reliability suite and `soak.py`.
 
-- `build_cycle_model`: a tiny Llama whose greedy output is known exactly, so
+- `build_cycle_model` (defined in tests/server/specd_http.py): a tiny Llama whose greedy output is known exactly, so
   every request that survives a storm, a burst or a fault can be checked
   character for character (`CycleText.expected`).
 - `ProbedServer`: a real `specd serve` process started through
@@ -31,7 +31,7 @@ for extra in (REPO / "tests" / "server", REPO / "tests"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-from specd_http import CYCLE_TEXT, SpecdServer  # noqa: E402
+from specd_http import CYCLE_TEXT, SpecdServer, build_cycle_model  # noqa: E402, F401 (re-exported)
 
 PROBE_SCRIPT = HERE / "probe_serve.py"
 CYCLE_NAME = "cycle"
@@ -46,38 +46,6 @@ OVERLOAD_MAX_NUM_SEQS = 2
 
 
 # -- the cycle model -------------------------------------------------------------------
-
-
-def build_cycle_model(tiny_dir: Path, out_dir: Path) -> Path:
-    """Rewire the tiny Llama so that after any token of CYCLE_TEXT comes the next one.
-
-    Attention and MLP outputs are zeroed, so the residual stream is the token's
-    embedding alone: cycle token i embeds as the unit vector e_i, and lm_head
-    row of token i+1 reads e_i with weight 5 (RMSNorm scales e_i to 8 e_i:
-    a logit of 40 against 0 for every other token).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    cycle = tokenizer.encode(CYCLE_TEXT, add_special_tokens=False)
-    if len(set(cycle)) != len(cycle) or len(cycle) > model.config.hidden_size:
-        raise ValueError("CYCLE_TEXT must be distinct tokens, no more than the hidden size")
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        embed = model.model.embed_tokens.weight  # [vocab, hidden]
-        head = model.lm_head.weight  # [vocab, hidden]
-        head.zero_()
-        for position, token_id in enumerate(cycle):
-            embed[token_id].zero_()
-            embed[token_id, position] = 1.0
-            head[cycle[(position + 1) % len(cycle)], position] = 5.0
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
 
 
 class CycleText:

@@ -6,32 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from specd_http import API_KEY, cycle_ids, finish_server, start_server
+from specd_http import API_KEY, build_cycle_model, finish_server, start_server
 
 
 @pytest.fixture(scope="session")
 def cycle_model_dir(tiny_llama_dir, tmp_path_factory) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    ids = cycle_ids(tokenizer)
-    assert len(ids) <= model.config.hidden_size
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        embed, head = model.model.embed_tokens.weight, model.lm_head.weight  # [vocab, hidden]
-        head.zero_()
-        for i, token_id in enumerate(ids):
-            embed[token_id].zero_()
-            embed[token_id, i] = 1.0
-            head[ids[(i + 1) % len(ids)], i] = 5.0  # after RMSNorm the unit vector is 8 e_i: logit 40
-    path = tmp_path_factory.mktemp("models") / "cycle"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return build_cycle_model(tiny_llama_dir, tmp_path_factory.mktemp("models") / "cycle")
 
 
 @pytest.fixture(scope="session")

@@ -118,3 +118,35 @@ def cycle_output(num_chars: int, start: str = "A") -> str:
     """The first `num_chars` characters the cycle model writes after the cycle character before `start`."""
     text = CYCLE_TEXT[CYCLE_TEXT.index(start) :] + CYCLE_TEXT * (num_chars // len(CYCLE_TEXT) + 2)
     return text[:num_chars]
+
+
+def build_cycle_model(tiny_dir: Path, out_dir: Path) -> Path:
+    """Rewire the tiny Llama so that after any token of CYCLE_TEXT comes the next one.
+
+    Attention and MLP outputs are zeroed, so the residual stream is the token's
+    embedding alone: cycle token i embeds as the unit vector e_i, and lm_head
+    row of token i+1 reads e_i with weight 5 (RMSNorm scales e_i to 8 e_i:
+    a logit of 40 against 0 for every other token).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    cycle = cycle_ids(tokenizer)
+    if len(cycle) > model.config.hidden_size:
+        raise ValueError("CYCLE_TEXT must have no more tokens than the hidden size")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight  # [vocab, hidden]
+        head = model.lm_head.weight  # [vocab, hidden]
+        head.zero_()
+        for position, token_id in enumerate(cycle):
+            embed[token_id].zero_()
+            embed[token_id, position] = 1.0
+            head[cycle[(position + 1) % len(cycle)], position] = 5.0
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
