@@ -6,26 +6,58 @@ the draft's own stale positions are simply overwritten), the next K - 1 feed
 one drafted token each. Drafts are sampled from q, the draft's distribution
 after the same processing as the target's (temperature, top-k/p, min-p,
 penalties, logit bias), so the rejection sampler stays lossless.
+
+Everything the K forwards need from the host is known before the first one
+(`plan` adds it to the step's one upload); drafted tokens stay on the device
+and feed the next forward and the target's verify directly.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from models.forward import last_token_index, packed_forward
-from models.kv_cache import ATTN_IMPLEMENTATION, KVCache
+from models.forward import forward_step, last_token_index
+from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, LayoutPlan
 from models.loader import LoadedModel
-from models.proposers import Draft
 from models.sampling import (
     STREAM_DRAFT,
     SamplingTensors,
-    build_token_counts,
     greedy_ids,
+    plan_token_counts,
     process_logits,
+    resolve_token_counts,
     sample_from_probs,
     uniform_noise,
+    uses_penalties,
 )
+from models.transfer import DeviceArrays, HostBuffer
 from scheduler.types import Request
+
+
+@dataclass
+class DraftPlan:
+    """Host side of one step's K draft forwards. R rows, each drafting num_tokens[i] >= 1."""
+
+    prefix: str
+    requests: list[Request]
+    num_tokens: list[int]
+    active: list[list[int]]  # per draft position j: rows still drafting
+    layouts: list[LayoutPlan]
+    fed_after: list[int]  # per row: positions in the draft's KV after the forwards
+    any_sampled: bool
+    penalties: bool
+
+    @property
+    def k_max(self) -> int:
+        return len(self.active)
+
+
+@dataclass
+class DeviceDraft:
+    token_ids: torch.Tensor  # [R, k_max] int64; positions >= num_tokens[i] are padding
+    probs: torch.Tensor | None  # [R, k_max, V] q (zero past a row's k); None when every row is greedy
 
 
 class DraftModelProposer:
@@ -36,59 +68,95 @@ class DraftModelProposer:
         self.vocab_size = vocab_size  # the target's: q must live in p's vocabulary
         draft.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.cache = KVCache.for_model(draft.model.config, num_slots, max_len, draft.dtype, draft.device)
+        # Positions of each request whose draft KV holds accepted tokens.
         self._computed: dict[str, int] = {}
 
     def free(self, request_id: str) -> None:
         self._computed.pop(request_id, None)
 
-    @torch.inference_mode()
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
-        device = self.draft.device
-        vocab = self.vocab_size
-        drafted: list[list[int]] = [[] for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+    def verified(self, request_id: str, num_valid: int) -> None:
+        """The target kept positions < num_valid: later draft KV holds rejected drafts."""
+        if request_id in self._computed:
+            self._computed[request_id] = min(self._computed[request_id], num_valid)
+
+    def plan(self, requests: list[Request], num_tokens: list[int], buf: HostBuffer, prefix: str = "draft") -> DraftPlan:
+        assert requests and all(k > 0 for k in num_tokens)
         # Catch-up feed: every accepted token the draft has not seen yet.
         starts = [min(self._computed.get(r.request_id, 0), r.num_computed_tokens) for r in requests]
         feeds = [r.all_token_ids[s:] for r, s in zip(requests, starts)]
-        active = [i for i, k in enumerate(num_tokens) if k > 0]
-        for j in range(max(num_tokens, default=0)):
-            active = [i for i in active if num_tokens[i] > j]
-            if not active:
-                break
-            subset = [requests[i] for i in active]
-            logits = packed_forward(
-                self.draft.model,
-                self.cache,
-                [r.slot for r in subset],
-                [starts[i] for i in active],
-                [feeds[i] for i in active],
-                last_token_index([feeds[i] for i in active]),
-            )  # [rows, draft_vocab]
-            logits = _to_vocab(logits, vocab)
-            st = SamplingTensors.from_params([r.params for r in subset], vocab, device)
-            output_counts = prompt_mask = None
-            if not st.no_penalties:
-                output_counts = build_token_counts([r.output_ids + drafted[i] for r, i in zip(subset, active)], vocab, device)
-                prompt_mask = build_token_counts([r.prompt_ids for r in subset], vocab, device) > 0
-            if st.all_greedy:  # q is one-hot on the argmax: the draft token says it all
-                q = None
-                tokens = greedy_ids(logits[:, None], st, output_counts, prompt_mask)[:, 0].tolist()
+        slots = [r.slot for r in requests]
+        active, layouts = [], []
+        for j in range(max(num_tokens)):
+            rows = [i for i, k in enumerate(num_tokens) if k > j]
+            if j == 0:
+                layout = LayoutPlan.build(slots, starts, [len(f) for f in feeds])
             else:
-                q = process_logits(logits[:, None], st, output_counts, prompt_mask, None)  # [rows, 1, vocab]
-                positions = torch.tensor([len(r.output_ids) + j for r in subset], device=device)[:, None]
-                u = uniform_noise(st.seeds, positions, STREAM_DRAFT)
-                tokens = sample_from_probs(q, u)[:, 0].tolist()
-            for row, i in enumerate(active):
-                drafted[i].append(tokens[row])
+                positions = [starts[i] + len(feeds[i]) + j - 1 for i in rows]
+                layout = LayoutPlan.build([slots[i] for i in rows], positions, [1] * len(rows))
+            layout.add_to(buf, f"{prefix}.{j}")
+            buf.ints(f"{prefix}.{j}.active", rows)
+            active.append(rows)
+            layouts.append(layout)
+        buf.ints(f"{prefix}.input", [t for feed in feeds for t in feed])
+        buf.ints(f"{prefix}.keep", last_token_index(feeds))
+        buf.ints(f"{prefix}.out_len", [len(r.output_ids) for r in requests])
+        params = [r.params for r in requests]
+        SamplingTensors.plan(params, self.vocab_size, buf, f"{prefix}.s")
+        penalties = any(uses_penalties(p) for p in params)
+        if penalties:
+            plan_token_counts([r.output_ids for r in requests], buf, f"{prefix}.out")
+            plan_token_counts([r.prompt_ids for r in requests], buf, f"{prefix}.prompt")
+        return DraftPlan(
+            prefix=prefix,
+            requests=requests,
+            num_tokens=num_tokens,
+            active=active,
+            layouts=layouts,
+            fed_after=[s + len(f) + k - 1 for s, f, k in zip(starts, feeds, num_tokens)],
+            any_sampled=not all(p.is_greedy for p in params),
+            penalties=penalties,
+        )
+
+    @torch.inference_mode()
+    def run(self, plan: DraftPlan, arrays: DeviceArrays) -> DeviceDraft:
+        """The K draft forwards, on the device, with no host transfer."""
+        p, vocab, device = plan.prefix, self.vocab_size, self.draft.device
+        num_rows = len(plan.requests)
+        params = [r.params for r in plan.requests]
+        st = SamplingTensors.resolve(params, vocab, arrays, f"{p}.s")
+        counts = prompt_mask = None
+        if plan.penalties:
+            counts = resolve_token_counts(num_rows, vocab, arrays, f"{p}.out")
+            prompt_mask = resolve_token_counts(num_rows, vocab, arrays, f"{p}.prompt") > 0
+        out_len = arrays[f"{p}.out_len"]
+        drafted = torch.zeros(num_rows, plan.k_max, dtype=torch.long, device=device)
+        q = torch.zeros(num_rows, plan.k_max, vocab, device=device) if plan.any_sampled else None
+        for j, rows in enumerate(plan.active):
+            index = arrays[f"{p}.{j}.active"]
+            layout = plan.layouts[j].resolve(arrays, f"{p}.{j}")
+            if j == 0:
+                logits = forward_step(self.draft.model, self.cache, layout, arrays[f"{p}.input"], arrays[f"{p}.keep"])
+            else:
+                logits = forward_step(self.draft.model, self.cache, layout, drafted[index, j - 1], 0)
+            logits = _to_vocab(logits, vocab)[:, None]  # [rows, 1, V]
+            st_j = st if len(rows) == num_rows else st.take(index, [params[i] for i in rows])
+            counts_j = None if counts is None else counts[index]
+            mask_j = None if prompt_mask is None else prompt_mask[index]
+            if st_j.all_greedy:  # q is one-hot on the argmax: the draft token says it all
+                tokens = greedy_ids(logits, st_j, counts_j, mask_j)[:, 0]
                 if q is not None:
-                    probs[i].append(q[row, 0])
-                starts[i] += len(feeds[i])
-                feeds[i] = [tokens[row]]
-        for i, request in enumerate(requests):
-            if drafted[i]:
-                self._computed[request.request_id] = starts[i]
-        # q is kept only for sampled rows; greedy rows' q is one-hot on the draft (probs None).
-        return [Draft(ids, self.method, torch.stack(p) if p else None) for ids, p in zip(drafted, probs)]
+                    q[index, j] = torch.nn.functional.one_hot(tokens, vocab).to(q.dtype)
+            else:
+                probs = process_logits(logits, st_j, counts_j, mask_j, None)  # [rows, 1, V]
+                u = uniform_noise(st_j.seeds, (out_len[index] + j)[:, None], STREAM_DRAFT)
+                tokens = sample_from_probs(probs, u)[:, 0]
+                q[index, j] = probs[:, 0]
+            drafted[index, j] = tokens
+            if counts is not None:
+                counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=counts.dtype), accumulate=True)
+        for request, fed in zip(plan.requests, plan.fed_after):
+            self._computed[request.request_id] = fed
+        return DeviceDraft(drafted, q)
 
 
 def _to_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -4,10 +4,34 @@ from __future__ import annotations
 
 import torch
 
-from models.kv_cache import KVCache, StepLayout
+from models.kv_cache import KVCache, LayoutPlan, StepLayout
+from models.transfer import HostBuffer
 
 
 @torch.inference_mode()
+def forward_step(model, cache: KVCache, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor | int) -> torch.Tensor:
+    """Run a step's packed tokens `input_ids` `[T]` (already on the device) through `model`.
+
+    `layout` says where each token lives (slot, position) and how rows are
+    grouped for attention. `keep` are indices into the packed order whose
+    logits are wanted (the lm_head runs only on those; 0 = all). Returns
+    float32 logits `[len(keep), vocab]`.
+    """
+    cache.layout = layout
+    try:
+        out = model(
+            input_ids=input_ids[None],
+            position_ids=layout.token_pos[None],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=keep,
+            specd_layout=layout,
+        )
+    finally:
+        cache.layout = None
+    return out.logits[0].float()
+
+
 def packed_forward(
     model,
     cache: KVCache,
@@ -16,30 +40,15 @@ def packed_forward(
     token_lists: list[list[int]],
     keep: list[int],
 ) -> torch.Tensor:
-    """Run rows' new tokens through `model` in one forward.
-
-    Row b writes `token_lists[b]` at positions `starts[b]..` of slot `slots[b]`
-    and attends to everything before them in that slot. `keep` are indices
-    into the packed token order whose logits are wanted (the lm_head runs only
-    on those). Returns float32 logits [len(keep), vocab].
-    """
-    device = cache.keys[0].device
-    layout = StepLayout.build(slots, starts, [len(t) for t in token_lists], device)
-    input_ids = torch.tensor([[t for tokens in token_lists for t in tokens]], dtype=torch.long, device=device)
-    keep_index = torch.tensor(keep, dtype=torch.long, device=device)
-    cache.layout = layout
-    try:
-        out = model(
-            input_ids=input_ids,
-            position_ids=layout.token_pos[None],
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=keep_index,
-            specd_layout=layout,
-        )
-    finally:
-        cache.layout = None
-    return out.logits[0].float()  # [len(keep), vocab]
+    """`forward_step` from host lists: row b writes `token_lists[b]` at positions
+    `starts[b]..` of slot `slots[b]`; one upload for everything."""
+    buf = HostBuffer()
+    plan = LayoutPlan.build(slots, starts, [len(t) for t in token_lists])
+    plan.add_to(buf, "layout")
+    buf.ints("input_ids", [t for tokens in token_lists for t in tokens])
+    buf.ints("keep", keep)
+    arrays = buf.upload(cache.keys[0].device)
+    return forward_step(model, cache, plan.resolve(arrays, "layout"), arrays["input_ids"], arrays["keep"])
 
 
 def last_token_index(token_lists: list[list[int]]) -> list[int]:

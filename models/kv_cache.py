@@ -22,68 +22,157 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from models.transfer import DeviceArrays, HostBuffer
+
 ATTN_IMPLEMENTATION = "specd"
 
 
-@dataclass
-class StepLayout:
-    """Where each packed token of one forward lives. T tokens, B rows."""
+# Rows whose queries are padded into one attention call: more new tokens than
+# this and a row is attended on its own, so a prefill chunk never pads its
+# decode neighbours' queries to its length (covers a verify of 1 + 16 drafts).
+SHORT_ROW_TOKENS = 17
+# Empty slots bridged to keep neighbouring short rows in one call: a hole costs
+# reading its keys, a separate call costs fixed per-layer launches.
+MAX_BRIDGED_KEYS = 4096
 
-    token_slot: torch.Tensor  # [T] slot of each token
-    token_pos: torch.Tensor  # [T] position of each token in its sequence
-    row_slot: torch.Tensor  # [B]
-    row_start: torch.Tensor  # [B] first new position of the row
-    row_len: torch.Tensor  # [B] new tokens of the row
-    pad_index: torch.Tensor  # [T] index of each token in the [B * max_q] padded grid
+
+@dataclass
+class GroupPlan:
+    """Host side of one attention call over consecutive slots lo..lo + num_slots."""
+
+    slot_lo: int
+    num_slots: int
     max_q: int
-    max_kv: int  # keys to attend over: max(row_start + row_len)
-    contiguous_slots: bool  # row_slot == arange(B): cache views need no gather
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    max_kv: int
+    grid_start: list[int]  # [num_slots] first new position of each grid row (0 for holes)
+    token_index: list[int] | None  # packed index of the group's tokens; None: all tokens, in order
+    pad_index: list[int] | None  # each token's cell in the [num_slots * max_q] grid; None: no padding
+
+
+@dataclass
+class LayoutPlan:
+    """Where each packed token of one forward lives, before upload. T tokens, B rows."""
+
+    token_slot: list[int]
+    token_pos: list[int]
+    groups: list[GroupPlan]
 
     @classmethod
-    def build(cls, slots: list[int], starts: list[int], lens: list[int], device: torch.device) -> "StepLayout":
-        max_q = max(lens)
-        token_slot, token_pos, pad_index = [], [], []
-        for b, (slot, start, n) in enumerate(zip(slots, starts, lens)):
+    def build(cls, slots: list[int], starts: list[int], lens: list[int]) -> LayoutPlan:
+        token_slot: list[int] = []
+        token_pos: list[int] = []
+        offsets = []
+        for slot, start, n in zip(slots, starts, lens):
+            offsets.append(len(token_slot))
             token_slot += [slot] * n
             token_pos += range(start, start + n)
-            pad_index += range(b * max_q, b * max_q + n)
+        rows = range(len(slots))
+        short = sorted((b for b in rows if lens[b] <= SHORT_ROW_TOKENS), key=lambda b: slots[b])
+        runs: list[list[int]] = []
+        for b in short:
+            if runs:
+                prev = runs[-1][-1]
+                holes = slots[b] - slots[prev] - 1
+                max_kv = max(starts[r] + lens[r] for r in runs[-1] + [b])
+                if holes * max_kv <= MAX_BRIDGED_KEYS:
+                    runs[-1].append(b)
+                    continue
+            runs.append([b])
+        runs += [[b] for b in rows if lens[b] > SHORT_ROW_TOKENS]
+        total = len(token_slot)
+        groups = [cls._group(run, slots, starts, lens, offsets, total) for run in runs]
+        return cls(token_slot, token_pos, groups)
 
-        def t(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.long, device=device)
-
-        return cls(
-            token_slot=t(token_slot),
-            token_pos=t(token_pos),
-            row_slot=t(slots),
-            row_start=t(starts),
-            row_len=t(lens),
-            pad_index=t(pad_index),
+    @staticmethod
+    def _group(run, slots, starts, lens, offsets, total) -> GroupPlan:
+        lo = slots[run[0]]
+        num_slots = slots[run[-1]] - lo + 1
+        max_q = max(lens[b] for b in run)
+        grid_start = [0] * num_slots
+        token_index, pad_index = [], []
+        for b in run:
+            cell = slots[b] - lo
+            grid_start[cell] = starts[b]
+            token_index += range(offsets[b], offsets[b] + lens[b])
+            pad_index += range(cell * max_q, cell * max_q + lens[b])
+        in_order = token_index == list(range(total))
+        return GroupPlan(
+            slot_lo=lo,
+            num_slots=num_slots,
             max_q=max_q,
-            max_kv=max(s + n for s, n in zip(starts, lens)),
-            contiguous_slots=slots == list(range(len(slots))),
+            max_kv=max(starts[b] + lens[b] for b in run),
+            grid_start=grid_start,
+            token_index=None if in_order else token_index,
+            pad_index=None if len(pad_index) == num_slots * max_q else pad_index,
         )
 
-    @property
-    def num_rows(self) -> int:
-        return self.row_slot.shape[0]
+    def add_to(self, buf: HostBuffer, prefix: str) -> None:
+        buf.ints(f"{prefix}.token_slot", self.token_slot)
+        buf.ints(f"{prefix}.token_pos", self.token_pos)
+        for i, g in enumerate(self.groups):
+            buf.ints(f"{prefix}.{i}.grid_start", g.grid_start)
+            if g.token_index is not None:
+                buf.ints(f"{prefix}.{i}.token_index", g.token_index)
+            if g.pad_index is not None:
+                buf.ints(f"{prefix}.{i}.pad_index", g.pad_index)
+
+    def resolve(self, arrays: DeviceArrays, prefix: str) -> StepLayout:
+        groups = [
+            AttentionGroup(
+                plan=g,
+                grid_start=arrays[f"{prefix}.{i}.grid_start"],
+                token_index=None if g.token_index is None else arrays[f"{prefix}.{i}.token_index"],
+                pad_index=None if g.pad_index is None else arrays[f"{prefix}.{i}.pad_index"],
+            )
+            for i, g in enumerate(self.groups)
+        ]
+        return StepLayout(arrays[f"{prefix}.token_slot"], arrays[f"{prefix}.token_pos"], groups)
+
+
+@dataclass
+class AttentionGroup:
+    """One attention call: queries of rows on slots lo.. padded into a grid,
+    keys read in place from those slots (a view: no copy)."""
+
+    plan: GroupPlan
+    grid_start: torch.Tensor  # [num_slots]
+    token_index: torch.Tensor | None
+    pad_index: torch.Tensor | None
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[B, 1, max_q, max_kv] bool: query i of row b sees keys 0..start_b + i.
+        """[num_slots, 1, max_q, max_kv] bool: query i of a row sees keys 0..start + i.
 
-        Padded query positions see the same causal range; their outputs are
-        discarded, and key 0 is always visible so no row is all-masked (NaN).
+        Padded queries and empty slots see the same causal range (key 0 at
+        least, so no row is all-masked); their outputs are discarded.
         """
         if sliding_window not in self._masks:
-            device = self.row_start.device
-            q_pos = self.row_start[:, None] + torch.arange(self.max_q, device=device)  # [B, max_q]
-            k_pos = torch.arange(self.max_kv, device=device)  # [max_kv]
+            device = self.grid_start.device
+            q_pos = self.grid_start[:, None] + torch.arange(self.plan.max_q, device=device)  # [S, max_q]
+            k_pos = torch.arange(self.plan.max_kv, device=device)
             visible = k_pos[None, None, :] <= q_pos[:, :, None]
             if sliding_window:
                 visible &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
                 visible[:, :, 0] |= ~visible.any(-1)
             self._masks[sliding_window] = visible[:, None]
         return self._masks[sliding_window]
+
+
+@dataclass
+class StepLayout:
+    """A resolved `LayoutPlan`: device tensors the cache and attention read each layer."""
+
+    token_slot: torch.Tensor  # [T]
+    token_pos: torch.Tensor  # [T]
+    groups: list[AttentionGroup]
+
+    @classmethod
+    def build(cls, slots: list[int], starts: list[int], lens: list[int], device: torch.device) -> StepLayout:
+        """Plan and upload in one go (for callers outside a runner step)."""
+        plan = LayoutPlan.build(slots, starts, lens)
+        buf = HostBuffer()
+        plan.add_to(buf, "layout")
+        return plan.resolve(buf.upload(device), "layout")
 
 
 class KVCache:
@@ -120,49 +209,69 @@ class KVCache:
 
     # -- the part of HF's Cache protocol the models call --
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Write the step's new keys/values into their slots; return the whole
+        storage, which `ragged_attention` reads in place, group by group."""
         layout = self.layout
         assert layout is not None, "KVCache.update outside a runner step"
         k_store, v_store = self.keys[layer_idx], self.values[layer_idx]
         # key_states: [1, kv_heads, T, head_dim] -> [T, kv_heads, head_dim]
         k_store[layout.token_slot, :, layout.token_pos] = key_states[0].transpose(0, 1)
         v_store[layout.token_slot, :, layout.token_pos] = value_states[0].transpose(0, 1)
-        if layout.contiguous_slots:
-            rows = slice(0, layout.num_rows)
-            return k_store[rows, :, : layout.max_kv], v_store[rows, :, : layout.max_kv]
-        return (
-            k_store.index_select(0, layout.row_slot)[:, :, : layout.max_kv],
-            v_store.index_select(0, layout.row_slot)[:, :, : layout.max_kv],
-        )
+        return k_store, v_store
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.layout is None else self.layout.max_kv
+        return 0 if self.layout is None else max(g.plan.max_kv for g in self.layout.groups)
 
 
 def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention over a packed batch: query [1, H, T, D]; key/value [B, KVH, max_kv, D]
-    from `KVCache.update`. Returns ([1, T, H, D], None) as HF attention functions do."""
+    """Attention over a packed batch: query [1, H, T, D]; key/value the whole
+    cache storage [slots, KVH, max_len, D] from `KVCache.update`. Each group
+    reads its rows' keys as a slice of that storage. Returns ([1, T, H, D], None)
+    as HF attention functions do."""
     layout: StepLayout = kwargs["specd_layout"]
-    _, num_heads, num_tokens, head_dim = query.shape
-    b, max_q = layout.num_rows, layout.max_q
     q = query[0].transpose(0, 1)  # [T, H, D]
-    if num_tokens == b * max_q:  # no padding (e.g. every row decodes one token)
-        q_pad = q.reshape(b, max_q, num_heads, head_dim)
+    num_tokens, num_heads, head_dim = q.shape
+    sliding_window = getattr(module, "sliding_window", None)
+    if len(layout.groups) == 1 and layout.groups[0].token_index is None:
+        return _attend_group(layout.groups[0], q, key, value, scaling, sliding_window).unsqueeze(0), None
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for group in layout.groups:
+        q_group = q if group.token_index is None else q.index_select(0, group.token_index)
+        out_group = _attend_group(group, q_group, key, value, scaling, sliding_window)
+        if group.token_index is None:
+            out = out_group
+        else:
+            out.index_copy_(0, group.token_index, out_group)
+    return out.unsqueeze(0), None
+
+
+def _attend_group(group: AttentionGroup, q, k_store, v_store, scaling, sliding_window) -> torch.Tensor:
+    """q [n, H, D] (the group's tokens) -> [n, H, D]."""
+    plan = group.plan
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    s, max_q = plan.num_slots, plan.max_q
+    if group.pad_index is None:
+        grid = q.reshape(s, max_q, num_heads, head_dim)
     else:
-        q_pad = q.new_zeros(b * max_q, num_heads, head_dim)
-        q_pad[layout.pad_index] = q
-        q_pad = q_pad.view(b, max_q, num_heads, head_dim)
-    mask = layout.mask(getattr(module, "sliding_window", None))
-    q_pad = q_pad.transpose(1, 2)  # [B, H, max_q, D]
-    if _prefers_grouped(query, b, max_q, layout.max_kv):
-        out = _grouped_attention(q_pad, key, value, mask, scaling)
+        grid = q.new_zeros(s * max_q, num_heads, head_dim)
+        grid[group.pad_index] = q
+        grid = grid.view(s, max_q, num_heads, head_dim)
+    grid = grid.transpose(1, 2)  # [S, H, max_q, D]
+    lo = plan.slot_lo
+    key = k_store[lo : lo + s, :, : plan.max_kv]  # a view: keys are read where they are
+    value = v_store[lo : lo + s, :, : plan.max_kv]
+    gqa = key.shape[1] != num_heads
+    if s == 1 and plan.grid_start == [0] and not sliding_window:
+        # A whole prompt on its own: plain causal attention, flash-eligible on CUDA.
+        out = F.scaled_dot_product_attention(grid, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    elif _prefers_grouped(q, s, max_q, plan.max_kv):
+        out = _grouped_attention(grid, key, value, group.mask(sliding_window), scaling)
     else:
         out = F.scaled_dot_product_attention(
-            q_pad, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != num_heads
-        )  # [B, H, max_q, D]
-    out = out.transpose(1, 2).reshape(b * max_q, num_heads, head_dim)
-    if num_tokens != b * max_q:
-        out = out[layout.pad_index]
-    return out.unsqueeze(0), None
+            grid, key, value, attn_mask=group.mask(sliding_window), scale=scaling, enable_gqa=gqa
+        )  # [S, H, max_q, D]
+    out = out.transpose(1, 2).reshape(s * max_q, num_heads, head_dim)
+    return out if group.pad_index is None else out[group.pad_index]
 
 
 def _prefers_grouped(query, num_rows: int, max_q: int, max_kv: int) -> bool:

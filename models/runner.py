@@ -1,22 +1,31 @@
 """ModelRunner: executes one scheduled `Batch` as one target forward.
 
-Per step: proposers draft for the speculating rows, every row's new tokens
-(prefill chunk, last token, or last token + drafts) go through the target in
-one packed forward, and one rejection-sampling call turns the logits into
-1..K+1 tokens per sampling row. Plain rows are the k = 0 case, and a step with
-no drafts takes the plain sampling path with no speculative work at all.
+    prepare (host drafts, one upload) -> draft (device) -> forward -> sample/verify -> one download
+
+Model-free proposers (n-gram, Predicted Outputs) draft on the host while the
+step is prepared; a draft model drafts on the device after the upload, and
+its tokens go into the target's input there. Every row's new tokens (prefill
+chunk, last token, or last token + drafts) go through the target in one
+packed forward, and one rejection-sampling call turns the logits into
+1..K+1 tokens per sampling row. Plain rows are the k = 0 case, and a step
+with no drafts takes the plain sampling path with no speculative work at all.
+
+Host transfers: everything the step needs from the host is packed into one
+buffer and uploaded once; the results come back in one download
+(`models.transfer`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from models.forward import packed_forward
-from models.kv_cache import ATTN_IMPLEMENTATION, KVCache
+from models.draft_model import DeviceDraft, DraftModelProposer, DraftPlan
+from models.forward import forward_step
+from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, LayoutPlan
 from models.loader import LoadedModel
 from models.proposers import Draft, PredictionProposer, Proposer
 from models.rejection import greedy_verify, rejection_sample
@@ -24,13 +33,15 @@ from models.sampling import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
     SamplingTensors,
-    build_token_counts,
-    compute_logprobs,
     greedy_ids,
+    plan_token_counts,
     process_logits,
+    resolve_token_counts,
     sample_from_probs,
     uniform_noise,
+    uses_penalties,
 )
+from models.transfer import DeviceArrays, HostBuffer, download
 from scheduler.types import Batch, RowOutput, ScheduledRow, StepOutput
 
 logger = logging.getLogger("specd.models")
@@ -58,12 +69,35 @@ class RunnerConfig:
             raise ValueError("max_model_len must be >= 2")
 
 
+@dataclass
+class StepPlan:
+    """Host side of one step: what each row feeds and drafts, and the upload."""
+
+    rows: list[ScheduledRow]
+    host_drafts: list[Draft | None]  # model-free drafts, per row
+    num_draft: list[int]  # per row, host or device drafts
+    methods: list[str | None]  # proposer that drafted for each row
+    draft: DraftPlan | None  # the draft model's forwards, for `draft_rows`
+    draft_rows: list[int]
+    layout: LayoutPlan
+    sample_rows: list[int]
+    buf: HostBuffer = field(default_factory=HostBuffer)
+
+    @property
+    def n_max(self) -> int:
+        return max((self.num_draft[i] for i in self.sample_rows), default=0) + 1
+
+    @property
+    def any_draft(self) -> bool:
+        return any(self.num_draft)
+
+
 class ModelRunner:
     def __init__(
         self,
         target: LoadedModel,
         config: RunnerConfig,
-        proposer: Proposer | None = None,
+        proposer: Proposer | DraftModelProposer | None = None,
     ):
         self.target = target
         self.config = config
@@ -95,190 +129,249 @@ class ModelRunner:
     def execute(self, batch: Batch) -> StepOutput:
         self.free(batch.finished_ids)
         rows = batch.rows
-        phases: dict[str, float] = {}
+        if not rows:
+            return StepOutput(rows=[])
         for row in rows:
             self._maybe_inject_fault(row, "raise")
-
+        phases: dict[str, float] = {}
         t0 = time.perf_counter()
-        drafts = self._propose(rows)
-        if any(drafts):
+        plan = self._prepare(rows)
+        arrays = plan.buf.upload(self.device)
+        device_draft = None
+        if plan.draft is not None:
+            try:
+                device_draft = self.proposer.run(plan.draft, arrays)
+            except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
+                logger.exception("draft model failed; these rows decode plainly this step")
+                plan = self._prepare(rows, device_drafting=False)
+                arrays = plan.buf.upload(self.device)
+        if plan.any_draft:
             phases["draft"] = time.perf_counter() - t0
 
-        token_lists = [row.token_ids + (d.token_ids if d else []) for row, d in zip(rows, drafts)]
-        sample_rows = [i for i, row in enumerate(rows) if row.sample]
-        keep, offset = [], 0
-        for i, tokens in enumerate(token_lists):
-            offset += len(tokens)
-            if rows[i].sample:
-                n = len(drafts[i].token_ids) + 1 if drafts[i] else 1
-                keep += range(offset - n, offset)
-
         t1 = time.perf_counter()
-        logits = packed_forward(
-            self.target.model,
-            self.cache,
-            [row.slot for row in rows],
-            [row.start_pos for row in rows],
-            token_lists,
-            keep,
-        )  # [len(keep), vocab]
-        outputs = {row.request_id: RowOutput(row.request_id) for row in rows}
-        accepted_per_position: list[int] = []
-        if sample_rows:
-            self._sample(rows, sample_rows, drafts, logits, outputs, accepted_per_position)
+        logits = self._forward(plan, arrays, device_draft)
+        outputs = self._sample(plan, arrays, logits, device_draft) if plan.sample_rows else {}
         forward_phase = (
-            "prefill" if any(r.request.is_prefilling for r in rows) else "verify" if any(drafts) else "decode"
+            "prefill" if any(r.request.is_prefilling for r in rows) else "verify" if plan.any_draft else "decode"
         )
         phases[forward_phase] = time.perf_counter() - t1
+        accepted_per_position = [0] * max(plan.num_draft)
+        for out in outputs.values():
+            for j in range(out.num_accepted_tokens):
+                accepted_per_position[j] += 1
         return StepOutput(
-            rows=[outputs[row.request_id] for row in rows],
+            rows=[outputs.get(row.request_id) or RowOutput(row.request_id) for row in rows],
             phase_seconds=phases,
             accepted_per_position=accepted_per_position,
         )
 
-    # -- drafting --
-    def _propose(self, rows: list[ScheduledRow]) -> list[Draft | None]:
+    # -- prepare: host-side drafting and the step's one upload --
+    def _prepare(self, rows: list[ScheduledRow], device_drafting: bool = True) -> StepPlan:
+        host_drafts, draft_rows = self._propose_host(rows, device_drafting)
+        num_draft = [len(d.token_ids) if d else 0 for d in host_drafts]
+        methods = [d.method if d else None for d in host_drafts]
+        for i in draft_rows:
+            num_draft[i] = rows[i].num_spec_tokens
+            methods[i] = DraftModelProposer.method
+        lens = [len(row.token_ids) + k for row, k in zip(rows, num_draft)]
+        plan = StepPlan(
+            rows=rows,
+            host_drafts=host_drafts,
+            num_draft=num_draft,
+            methods=methods,
+            draft=None,
+            draft_rows=draft_rows,
+            layout=LayoutPlan.build([r.slot for r in rows], [r.start_pos for r in rows], lens),
+            sample_rows=[i for i, row in enumerate(rows) if row.sample],
+        )
+        buf = plan.buf
+        if draft_rows:
+            assert isinstance(self.proposer, DraftModelProposer)
+            try:
+                plan.draft = self.proposer.plan(
+                    [rows[i].request for i in draft_rows], [num_draft[i] for i in draft_rows], buf
+                )
+            except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
+                logger.exception("draft model failed; these rows decode plainly this step")
+                return self._prepare(rows, device_drafting=False)
+        plan.layout.add_to(buf, "layout")
+
+        input_ids, keep, fill_pos, fill_src = [], [], [], []
+        k_max = plan.draft.k_max if plan.draft else 0
+        draft_index = {row: d for d, row in enumerate(draft_rows)}
+        for i, row in enumerate(rows):
+            first_draft = len(input_ids) + len(row.token_ids)
+            input_ids += row.token_ids
+            if i in draft_index:
+                fill_pos += range(first_draft, first_draft + num_draft[i])
+                fill_src += range(draft_index[i] * k_max, draft_index[i] * k_max + num_draft[i])
+                input_ids += [0] * num_draft[i]  # placeholders: the drafts are on the device
+            elif host_drafts[i]:
+                input_ids += host_drafts[i].token_ids
+            if row.sample:
+                keep += range(len(input_ids) - num_draft[i] - 1, len(input_ids))
+        buf.ints("input_ids", input_ids)
+        buf.ints("keep", keep)
+        if fill_pos:
+            buf.ints("fill_pos", fill_pos)
+            buf.ints("fill_src", fill_src)
+        if plan.sample_rows:
+            self._plan_sampling(plan)
+        return plan
+
+    def _propose_host(self, rows: list[ScheduledRow], device_drafting: bool) -> tuple[list[Draft | None], list[int]]:
+        """Model-free drafts per row, and the rows the draft model will draft for on the device."""
         drafts: list[Draft | None] = [None] * len(rows)
         spec = [i for i, row in enumerate(rows) if row.sample and row.num_spec_tokens > 0]
         with_prediction = [i for i in spec if rows[i].request.prediction_ids]
         plain_spec = [i for i in spec if not rows[i].request.prediction_ids]
+        if isinstance(self.proposer, DraftModelProposer):
+            return self._run_host(self.prediction, rows, with_prediction, drafts), plain_spec if device_drafting else []
         for index, proposer in ((with_prediction, self.prediction), (plain_spec, self.proposer)):
-            if not index or proposer is None:
-                continue
-            try:
-                proposed = proposer.propose(
-                    [rows[i].request for i in index], [rows[i].num_spec_tokens for i in index]
-                )
-            except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
-                logger.exception("%s proposer failed; these rows decode plainly this step", proposer.method)
-                continue
-            for i, draft in zip(index, proposed):
-                if draft.token_ids:
-                    drafts[i] = draft
+            if index and proposer is not None:
+                self._run_host(proposer, rows, index, drafts)
+        return drafts, []
+
+    @staticmethod
+    def _run_host(proposer, rows: list[ScheduledRow], index: list[int], drafts: list[Draft | None]) -> list[Draft | None]:
+        if not index:
+            return drafts
+        try:
+            proposed = proposer.propose([rows[i].request for i in index], [rows[i].num_spec_tokens for i in index])
+        except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
+            logger.exception("%s proposer failed; these rows decode plainly this step", proposer.method)
+            return drafts
+        for i, draft in zip(index, proposed):
+            if draft.token_ids:
+                drafts[i] = draft
         return drafts
 
-    # -- sampling --
+    def _plan_sampling(self, plan: StepPlan) -> None:
+        buf, rows, n_max = plan.buf, plan.rows, plan.n_max
+        requests = [rows[i].request for i in plan.sample_rows]
+        params = [r.params for r in requests]
+        SamplingTensors.plan(params, self.vocab_size, buf, "s")
+        buf.ints("num_draft", [plan.num_draft[i] for i in plan.sample_rows])
+        buf.ints("out_len", [len(r.output_ids) for r in requests])
+        if n_max > 1:
+            # Where each kept logit goes in the [rows, n_max] grid, and the host drafts (0 = padding).
+            buf.ints("grid_index", [r * n_max + j for r, i in enumerate(plan.sample_rows) for j in range(plan.num_draft[i] + 1)])
+            grid = []
+            for i in plan.sample_rows:
+                ids = plan.host_drafts[i].token_ids if plan.host_drafts[i] else []
+                grid += ids + [0] * (n_max - 1 - len(ids))
+            buf.ints("draft_grid", grid)
+            position = {row: r for r, row in enumerate(plan.sample_rows)}
+            buf.ints("draft_sample_rows", [position[i] for i in plan.draft_rows])
+        if any(uses_penalties(p) for p in params):
+            plan_token_counts([r.output_ids for r in requests], buf, "counts.out")
+            plan_token_counts([r.prompt_ids for r in requests], buf, "counts.prompt")
+        nan_rows = [r for r, i in enumerate(plan.sample_rows) if self._maybe_inject_fault(rows[i], "nan")]
+        if nan_rows:
+            buf.ints("nan_rows", nan_rows)
+
+    # -- forward --
+    def _forward(self, plan: StepPlan, arrays: DeviceArrays, device_draft: DeviceDraft | None) -> torch.Tensor:
+        input_ids = arrays["input_ids"]
+        if device_draft is not None:
+            input_ids = input_ids.clone()
+            input_ids[arrays["fill_pos"]] = device_draft.token_ids.reshape(-1)[arrays["fill_src"]]
+        layout = plan.layout.resolve(arrays, "layout")
+        return forward_step(self.target.model, self.cache, layout, input_ids, arrays["keep"])  # [len(keep), V]
+
+    # -- sample / verify --
     def _sample(
-        self,
-        rows: list[ScheduledRow],
-        sample_rows: list[int],
-        drafts: list[Draft | None],
-        logits: torch.Tensor,
-        outputs: dict[str, RowOutput],
-        accepted_per_position: list[int],
-    ) -> None:
-        device = logits.device
-        requests = [rows[i].request for i in sample_rows]
-        row_drafts = [drafts[i] for i in sample_rows]
-        num_draft = [len(d.token_ids) if d else 0 for d in row_drafts]
-        n_max = max(num_draft) + 1
-        num_rows, vocab = len(sample_rows), logits.shape[-1]
-
-        # Scatter the kept logits into a padded grid: [rows, n_max, vocab].
+        self, plan: StepPlan, arrays: DeviceArrays, logits: torch.Tensor, device_draft: DeviceDraft | None
+    ) -> dict[str, RowOutput]:
+        rows, n_max, vocab = plan.rows, plan.n_max, logits.shape[-1]
+        requests = [rows[i].request for i in plan.sample_rows]
+        num_rows, device = len(requests), logits.device
+        st = SamplingTensors.resolve([r.params for r in requests], vocab, arrays, "s")
         if n_max == 1:
-            grid = logits[:, None, :]
+            grid = logits[:, None, :]  # [rows, 1, V]
         else:
-            grid = logits.new_zeros(num_rows, n_max, vocab)
-            flat = [r * n_max + j for r, k in enumerate(num_draft) for j in range(k + 1)]
-            grid.view(-1, vocab)[torch.tensor(flat, device=device)] = logits
-        for r, request in enumerate(requests):
-            if self._maybe_inject_fault(rows[sample_rows[r]], "nan"):
-                grid[r] = float("nan")
-
-        st = SamplingTensors.from_params([req.params for req in requests], vocab, device)
+            grid = logits.new_zeros(num_rows * n_max, vocab)
+            grid[arrays["grid_index"]] = logits
+            grid = grid.view(num_rows, n_max, vocab)
+        if "nan_rows" in arrays:
+            grid[arrays["nan_rows"]] = float("nan")
         output_counts = prompt_mask = None
         if not st.no_penalties:
-            output_counts = build_token_counts([req.output_ids for req in requests], vocab, device)
-            prompt_mask = build_token_counts([req.prompt_ids for req in requests], vocab, device) > 0
+            output_counts = resolve_token_counts(num_rows, vocab, arrays, "counts.out")
+            prompt_mask = resolve_token_counts(num_rows, vocab, arrays, "counts.prompt") > 0
+        num_draft = arrays["num_draft"]
         draft_ids = None
         if n_max > 1:
-            draft_ids = torch.tensor(
-                [(d.token_ids if d else []) + [0] * (n_max - 1 - k) for d, k in zip(row_drafts, num_draft)],
-                dtype=torch.long,
-                device=device,
-            )  # [rows, n_max - 1]
+            draft_ids = arrays["draft_grid"].view(num_rows, n_max - 1)
+            if device_draft is not None:
+                draft_ids = draft_ids.clone()
+                k = device_draft.token_ids.shape[1]
+                draft_ids[arrays["draft_sample_rows"], :k] = device_draft.token_ids
         if st.all_greedy:  # p and q are one-hot: compare argmaxes, no probabilities
             target_ids = greedy_ids(grid, st, output_counts, prompt_mask, draft_ids)  # [rows, n_max]
             if n_max == 1:
                 num_accepted, token_ids = torch.zeros(num_rows, dtype=torch.long, device=device), target_ids
             else:
-                num_accepted, token_ids = greedy_verify(draft_ids, torch.tensor(num_draft, device=device), target_ids)
+                num_accepted, token_ids = greedy_verify(draft_ids, num_draft, target_ids)
         else:
             probs = process_logits(grid, st, output_counts, prompt_mask, draft_ids)  # [rows, n_max, vocab]
-            positions = torch.tensor([len(req.output_ids) for req in requests], device=device)[:, None]
-            positions = positions + torch.arange(n_max, device=device)  # [rows, n_max]
+            positions = arrays["out_len"][:, None] + torch.arange(n_max, device=device)  # [rows, n_max]
             u_sample = uniform_noise(st.seeds, positions, STREAM_SAMPLE)
             if n_max == 1:
                 num_accepted = torch.zeros(num_rows, dtype=torch.long, device=device)
                 token_ids = sample_from_probs(probs, u_sample)  # [rows, 1]
             else:
                 u_accept = uniform_noise(st.seeds, positions[:, :-1], STREAM_ACCEPT)
-                q = self._draft_probs(row_drafts, num_draft, n_max - 1, vocab, device)
-                num_accepted, token_ids = rejection_sample(
-                    draft_ids, torch.tensor(num_draft, device=device), q, probs, u_accept, u_sample
-                )
+                q = self._draft_probs(arrays, draft_ids, num_draft, device_draft, vocab)
+                num_accepted, token_ids = rejection_sample(draft_ids, num_draft, q, probs, u_accept, u_sample)
         finite = torch.isfinite(grid).flatten(1).all(1)
-        # One host sync for the whole step.
-        host = torch.cat([finite[:, None].long(), num_accepted[:, None], token_ids], dim=1).tolist()
+        results = [torch.cat([finite[:, None].long(), num_accepted[:, None], token_ids], dim=1)]
+        top_n = max((r.params.logprobs or 0 for r in requests), default=0)
+        want_logprobs = any(r.params.logprobs is not None for r in requests)
+        if want_logprobs:
+            # Log-probabilities of the raw target distribution at every grid position; the host keeps the emitted ones.
+            logprobs = torch.log_softmax(grid, dim=-1)  # [rows, n_max, V]
+            results.append(logprobs.gather(-1, token_ids.clamp(min=0)[..., None]).squeeze(-1))
+            top_lp, top_ids = logprobs.topk(top_n, dim=-1)
+            results += [top_ids, top_lp]
+        host = download(*results)
+        return self._outputs(plan, host, want_logprobs)
 
-        want_logprobs = [req.params.logprobs is not None for req in requests]
-        emitted: list[list[int]] = []
-        for r, (request, (is_finite, n_acc, *ids)) in enumerate(zip(requests, host)):
-            out = outputs[request.request_id]
-            if not is_finite:
-                out.error = "the model produced non-finite logits for this request"
-                emitted.append([])
-                continue
-            out.token_ids = ids[: n_acc + 1]
-            emitted.append(out.token_ids)
-            if row_drafts[r]:
-                out.method = row_drafts[r].method
-                out.num_draft_tokens = num_draft[r]
-                out.num_accepted_tokens = n_acc
-                while len(accepted_per_position) < num_draft[r]:
-                    accepted_per_position.append(0)
-                for pos in range(n_acc):
-                    accepted_per_position[pos] += 1
-        if any(want_logprobs):
-            self._attach_logprobs(grid, requests, emitted, outputs)
-
-    def _draft_probs(self, row_drafts, num_draft, k_max, vocab, device) -> torch.Tensor | None:
-        """q for the rejection sampler: the draft model's probabilities, or one-hot rows."""
-        if not any(d is not None and d.probs is not None for d in row_drafts):
+    def _draft_probs(self, arrays, draft_ids, num_draft, device_draft: DeviceDraft | None, vocab: int) -> torch.Tensor | None:
+        """q for the rejection sampler: None when every draft is one-hot (model-free or greedy)."""
+        if device_draft is None or device_draft.probs is None:
             return None
-        q = torch.zeros(len(row_drafts), k_max, vocab, device=device)
-        for r, (draft, k) in enumerate(zip(row_drafts, num_draft)):
-            if draft is None:
-                continue
-            if draft.probs is not None:
-                width = min(vocab, draft.probs.shape[-1])
-                q[r, :k, :width] = draft.probs[:k, :width]
-            else:
-                q[r, torch.arange(k), torch.tensor(draft.token_ids)] = 1.0
+        k_all = draft_ids.shape[1]
+        valid = torch.arange(k_all, device=draft_ids.device) < num_draft[:, None]  # [rows, k]
+        q = torch.nn.functional.one_hot(draft_ids, vocab).to(device_draft.probs.dtype) * valid[..., None]
+        q[arrays["draft_sample_rows"], : device_draft.probs.shape[1]] = device_draft.probs
         return q
 
-    def _attach_logprobs(self, grid, requests, emitted, outputs) -> None:
-        """Log-probabilities of the raw target distribution at each emitted position."""
-        index = [(r, j) for r, ids in enumerate(emitted) for j in range(len(ids))]
-        if not index:
-            return
-        rows_t = torch.tensor([r for r, _ in index], device=grid.device)
-        pos_t = torch.tensor([j for _, j in index], device=grid.device)
-        chosen = torch.tensor([emitted[r][j] for r, j in index], device=grid.device)
-        top_n = max(req.params.logprobs or 0 for req in requests)
-        chosen_lp, top_ids, top_lp = compute_logprobs(grid[rows_t, pos_t], chosen, top_n)
-        chosen_lp, top_ids, top_lp = chosen_lp.tolist(), top_ids.tolist(), top_lp.tolist()
-        cursor = 0
-        for request, ids in zip(requests, emitted):
-            n = len(ids)
-            if request.params.logprobs is not None and n:
-                out = outputs[request.request_id]
-                want = request.params.logprobs
-                out.logprobs = chosen_lp[cursor : cursor + n]
-                out.top_logprobs = [
-                    list(zip(top_ids[i][:want], top_lp[i][:want])) for i in range(cursor, cursor + n)
-                ]
-            cursor += n
+    def _outputs(self, plan: StepPlan, host: list[list], want_logprobs: bool) -> dict[str, RowOutput]:
+        outputs: dict[str, RowOutput] = {}
+        main = host[0]
+        if want_logprobs:
+            chosen, top_ids, top_lp = host[1:4]
+        for r, i in enumerate(plan.sample_rows):
+            row = plan.rows[i]
+            is_finite, n_acc, *ids = main[r]
+            out = outputs[row.request_id] = RowOutput(row.request_id)
+            if not is_finite:
+                out.error = "the model produced non-finite logits for this request"
+                continue
+            out.token_ids = ids[: n_acc + 1]
+            if plan.num_draft[i]:
+                out.method = plan.methods[i]
+                out.num_draft_tokens = plan.num_draft[i]
+                out.num_accepted_tokens = n_acc
+                if out.method == DraftModelProposer.method:
+                    self.proposer.verified(row.request_id, row.start_pos + len(row.token_ids) + n_acc)
+            want = row.request.params.logprobs
+            if want is not None:
+                n = n_acc + 1
+                out.logprobs = chosen[r][:n]
+                out.top_logprobs = [list(zip(top_ids[r][j][:want], top_lp[r][j][:want])) for j in range(n)]
+        return outputs
 
     def _maybe_inject_fault(self, row: ScheduledRow, kind: str) -> bool:
         if not self.config.enable_fault_injection or row.request.params.fault != kind:

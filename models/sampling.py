@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.transfer import DeviceArrays, HostBuffer
 from scheduler.types import SamplingParams
 
 STREAM_SAMPLE = 0
@@ -37,8 +38,10 @@ MIN_REPETITION_PENALTY = 1e-6
 class SamplingTensors:
     """Per-row sampling parameters as tensors for one step. R = rows.
 
-    The `no_*` / `*_greedy` flags are host booleans computed once, so a batch
-    that uses no penalty, no filter or no bias skips that work entirely.
+    The `no_*` / `*_greedy` flags are host booleans computed from the params,
+    so a batch that uses no penalty, no filter or no bias skips that work
+    entirely. The tensors come from the step's one upload (`plan` adds the
+    host arrays to a `HostBuffer`, `resolve` reads them back on the device).
     """
 
     temperature: Tensor  # [R] float32, 0 for greedy rows
@@ -50,80 +53,131 @@ class SamplingTensors:
     repetition_penalty: Tensor  # [R] float32, 1 = off
     is_greedy: Tensor  # [R] bool
     seeds: Tensor  # [R] int64
-    logit_bias_rows: Tensor  # [B] int64, COO row of each bias entry
-    logit_bias_ids: Tensor  # [B] int64, token id
-    logit_bias_values: Tensor  # [B] float32
+    logit_bias: Tensor | None  # [R, V] float32, None when no row has a bias
     all_greedy: bool
     any_greedy: bool
     no_top_k: bool  # among sampled (non-greedy) rows
     no_top_p: bool
     no_min_p: bool
     no_penalties: bool
-    no_logit_bias: bool
+
+    @property
+    def no_logit_bias(self) -> bool:
+        return self.logit_bias is None
+
+    @staticmethod
+    def plan(params: list[SamplingParams], vocab_size: int, buf: HostBuffer, prefix: str) -> None:
+        """Add the rows' parameters to the step's upload. Bias entries for ids outside the vocabulary are dropped."""
+        buf.floats(f"{prefix}.temperature", [p.temperature for p in params])
+        buf.floats(f"{prefix}.top_p", [p.top_p for p in params])
+        buf.ints(f"{prefix}.top_k", [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params])
+        buf.floats(f"{prefix}.min_p", [p.min_p for p in params])
+        buf.floats(f"{prefix}.presence", [p.presence_penalty for p in params])
+        buf.floats(f"{prefix}.frequency", [p.frequency_penalty for p in params])
+        # A penalty near 0 would divide logits into inf (NaN probabilities); 1e-6 acts the same.
+        buf.floats(f"{prefix}.repetition", [max(p.repetition_penalty, MIN_REPETITION_PENALTY) for p in params])
+        buf.bools(f"{prefix}.greedy", [p.is_greedy for p in params])
+        buf.ints(f"{prefix}.seeds", [p.seed for p in params])
+        bias = _bias_entries(params, vocab_size)
+        if bias:
+            rows, ids, values = zip(*bias)
+            buf.ints(f"{prefix}.bias_index", [r * vocab_size + i for r, i in zip(rows, ids)])
+            buf.floats(f"{prefix}.bias_values", values)
 
     @classmethod
-    def from_params(
-        cls, params: list[SamplingParams], vocab_size: int, device: torch.device | str
-    ) -> SamplingTensors:
-        """Pack a step's rows. Bias entries for ids outside the vocabulary are dropped."""
+    def resolve(cls, params: list[SamplingParams], vocab_size: int, arrays: DeviceArrays, prefix: str) -> SamplingTensors:
         greedy = [p.is_greedy for p in params]
         sampled = [p for p, g in zip(params, greedy) if not g]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
-        bias = [
-            (row, token_id, value)
-            for row, p in enumerate(params)
-            for token_id, value in p.logit_bias.items()
-            if 0 <= token_id < vocab_size
-        ]
-        bias_rows, bias_ids, bias_values = zip(*bias) if bias else ((), (), ())
-
-        def floats(values) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        def longs(values) -> Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
+        logit_bias = None
+        if _bias_entries(params, vocab_size):
+            values = arrays[f"{prefix}.bias_values"].to(torch.float32)
+            logit_bias = torch.zeros(len(params) * vocab_size, dtype=torch.float32, device=values.device)
+            logit_bias.index_add_(0, arrays[f"{prefix}.bias_index"], values)
+            logit_bias = logit_bias.view(len(params), vocab_size)
         return cls(
-            temperature=floats([p.temperature for p in params]),
-            top_p=floats([p.top_p for p in params]),
-            top_k=longs(top_k),
-            min_p=floats([p.min_p for p in params]),
-            presence_penalty=floats([p.presence_penalty for p in params]),
-            frequency_penalty=floats([p.frequency_penalty for p in params]),
-            # A penalty near 0 would divide logits into inf (NaN probabilities); 1e-6 acts the same.
-            repetition_penalty=floats([max(p.repetition_penalty, MIN_REPETITION_PENALTY) for p in params]),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            seeds=longs([p.seed for p in params]),
-            logit_bias_rows=longs(bias_rows),
-            logit_bias_ids=longs(bias_ids),
-            logit_bias_values=floats(bias_values),
+            temperature=arrays[f"{prefix}.temperature"].to(torch.float32),
+            top_p=arrays[f"{prefix}.top_p"].to(torch.float32),
+            top_k=arrays[f"{prefix}.top_k"],
+            min_p=arrays[f"{prefix}.min_p"].to(torch.float32),
+            presence_penalty=arrays[f"{prefix}.presence"].to(torch.float32),
+            frequency_penalty=arrays[f"{prefix}.frequency"].to(torch.float32),
+            repetition_penalty=arrays[f"{prefix}.repetition"].to(torch.float32),
+            is_greedy=arrays[f"{prefix}.greedy"],
+            seeds=arrays[f"{prefix}.seeds"],
+            logit_bias=logit_bias,
             all_greedy=all(greedy),
             any_greedy=any(greedy),
-            no_top_k=not any(top_k[i] > 0 for i, g in enumerate(greedy) if not g),
+            no_top_k=not any(0 < p.top_k < vocab_size for p in sampled),
             no_top_p=all(p.top_p >= 1.0 for p in sampled),
             no_min_p=all(p.min_p <= 0.0 for p in sampled),
-            no_penalties=all(
-                p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
-                for p in params
-            ),
-            no_logit_bias=not bias,
+            no_penalties=not any(uses_penalties(p) for p in params),
+        )
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> SamplingTensors:
+        """Plan, upload and resolve in one go (for callers outside a runner step)."""
+        buf = HostBuffer()
+        cls.plan(params, vocab_size, buf, "s")
+        return cls.resolve(params, vocab_size, buf.upload(torch.device(device)), "s")
+
+    def take(self, index: Tensor, params: list[SamplingParams]) -> SamplingTensors:
+        """The rows at `index` (a device tensor; `params` are those rows' params)."""
+        sampled = [p for p in params if not p.is_greedy]
+        vocab_size = self.logit_bias.shape[1] if self.logit_bias is not None else None
+        return SamplingTensors(
+            temperature=self.temperature[index],
+            top_p=self.top_p[index],
+            top_k=self.top_k[index],
+            min_p=self.min_p[index],
+            presence_penalty=self.presence_penalty[index],
+            frequency_penalty=self.frequency_penalty[index],
+            repetition_penalty=self.repetition_penalty[index],
+            is_greedy=self.is_greedy[index],
+            seeds=self.seeds[index],
+            logit_bias=None if vocab_size is None or not _bias_entries(params, vocab_size) else self.logit_bias[index],
+            all_greedy=all(p.is_greedy for p in params),
+            any_greedy=any(p.is_greedy for p in params),
+            no_top_k=self.no_top_k or not any(p.top_k > 0 for p in sampled),
+            no_top_p=all(p.top_p >= 1.0 for p in sampled),
+            no_min_p=all(p.min_p <= 0.0 for p in sampled),
+            no_penalties=not any(uses_penalties(p) for p in params),
         )
 
 
-def build_token_counts(histories: list[list[int]], vocab_size: int, device: torch.device | str) -> Tensor:
-    """Per-row token counts `[R, V]` int32 from token lists, in one scatter_add."""
-    flat_ids = [t for history in histories for t in history]
-    counts = torch.zeros(len(histories), vocab_size, dtype=torch.int32, device=device)
-    if not flat_ids:
-        return counts
-    rows = torch.repeat_interleave(
-        torch.arange(len(histories), device=device),
-        torch.tensor([len(h) for h in histories], device=device),
-    )
-    ids = torch.tensor(flat_ids, dtype=torch.int64, device=device)
+def uses_penalties(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _bias_entries(params: list[SamplingParams], vocab_size: int) -> list[tuple[int, int, float]]:
+    return [
+        (row, token_id, value)
+        for row, p in enumerate(params)
+        for token_id, value in p.logit_bias.items()
+        if 0 <= token_id < vocab_size
+    ]
+
+
+def plan_token_counts(histories: list[list[int]], buf: HostBuffer, prefix: str) -> None:
+    """Add token histories to the step's upload, for `resolve_token_counts`."""
+    flat = [t for history in histories for t in history]
+    buf.ints(f"{prefix}.ids", flat)
+    buf.ints(f"{prefix}.rows", [r for r, history in enumerate(histories) for _ in history])
+
+
+def resolve_token_counts(num_rows: int, vocab_size: int, arrays: DeviceArrays, prefix: str) -> Tensor:
+    """Per-row token counts `[R, V]` int32, in one scatter_add on the device."""
+    ids, rows = arrays[f"{prefix}.ids"], arrays[f"{prefix}.rows"]
+    counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=ids.device)
     in_vocab = (ids >= 0) & (ids < vocab_size)
     counts.view(-1).scatter_add_(0, rows * vocab_size + ids.clamp(0, vocab_size - 1), in_vocab.int())
     return counts
+
+
+def build_token_counts(histories: list[list[int]], vocab_size: int, device: torch.device | str) -> Tensor:
+    """Per-row token counts `[R, V]` int32 from token lists (plan, upload, resolve)."""
+    buf = HostBuffer()
+    plan_token_counts(histories, buf, "c")
+    return resolve_token_counts(len(histories), vocab_size, buf.upload(torch.device(device)), "c")
 
 
 def process_logits(
@@ -169,10 +223,8 @@ def greedy_ids(
 
 def _biased_and_penalised(logits, st, output_counts, prompt_mask, draft_ids) -> Tensor:
     logits = logits.to(torch.float32, copy=True)  # [R, n, V]
-    if not st.no_logit_bias:
-        bias = torch.zeros(logits.shape[0], logits.shape[2], dtype=logits.dtype, device=logits.device)
-        bias.index_put_((st.logit_bias_rows, st.logit_bias_ids), st.logit_bias_values, accumulate=True)
-        logits += bias[:, None, :]
+    if st.logit_bias is not None:
+        logits += st.logit_bias[:, None, :]
     if not st.no_penalties:
         _apply_penalties(logits, st, output_counts, prompt_mask, draft_ids)
     return logits

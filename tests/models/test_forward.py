@@ -96,11 +96,47 @@ def test_grouped_attention_matches_sdpa(dtype):
 
     g = torch.Generator().manual_seed(0)
     layout = StepLayout.build([0, 1, 2], [40, 7, 100], [1, 5, 3], torch.device("cpu"))
-    mask = layout.mask(None)  # [3, 1, 5, 103]
-    q = torch.randn(3, 8, layout.max_q, 16, generator=g).to(dtype)
-    k = torch.randn(3, 2, layout.max_kv, 16, generator=g).to(dtype)
-    v = torch.randn(3, 2, layout.max_kv, 16, generator=g).to(dtype)
+    (group,) = layout.groups  # three short rows on consecutive slots: one call
+    mask = group.mask(None)  # [3, 1, 5, 103]
+    q = torch.randn(3, 8, group.plan.max_q, 16, generator=g).to(dtype)
+    k = torch.randn(3, 2, group.plan.max_kv, 16, generator=g).to(dtype)
+    v = torch.randn(3, 2, group.plan.max_kv, 16, generator=g).to(dtype)
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.25, enable_gqa=True)
     actual = _grouped_attention(q, k, v, mask, 0.25).float()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+def test_layout_groups_rows_by_slot_and_keeps_long_rows_alone():
+    from models.kv_cache import SHORT_ROW_TOKENS, LayoutPlan
+
+    long = SHORT_ROW_TOKENS + 40
+    # Rows in scheduler order: decode rows on slots 5, 1, 2 and a prefill chunk on slot 3.
+    plan = LayoutPlan.build([5, 1, 2, 3], [30, 12, 20, 0], [1, 1, 1, long])
+    short, alone = plan.groups
+    assert (short.slot_lo, short.num_slots, short.max_q) == (1, 5, 1)  # slots 1..5, holes 3 and 4 bridged
+    assert short.grid_start == [12, 20, 0, 0, 30]
+    assert short.token_index == [1, 2, 0] and short.pad_index == [0, 1, 4]
+    assert (alone.slot_lo, alone.num_slots, alone.max_q, alone.max_kv) == (3, 1, long, long)
+    assert alone.pad_index is None  # no query padding for the prefill chunk
+    # Every row decoding one token on slots 0..B-1 in order: one call, no gather, no padding.
+    (dense,) = LayoutPlan.build([0, 1, 2], [9, 4, 7], [1, 1, 1]).groups
+    assert dense.token_index is None and dense.pad_index is None
+    # Far-apart rows with long contexts are not bridged (the holes would cost more than a call).
+    assert len(LayoutPlan.build([0, 15], [1500, 1500], [1, 1]).groups) == 2
+
+
+def test_long_prefill_among_scattered_decode_rows_matches_hf(model_dir):
+    """A prefill chunk longer than a verify run, next to decode rows on non-adjacent slots."""
+    ref, ours, cache = _models(model_dir)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 40, 12)]
+    # Prefill rows A (slot 3) and C (slot 0) first, then: A and C decode, B prefills 40 tokens on slot 1.
+    step1 = [seqs[0][:-1], seqs[2][:-1]]
+    packed_forward(ours, cache, [3, 0], [0, 0], step1, _all(step1))
+    step2 = [seqs[0][-1:], seqs[1], seqs[2][-1:]]
+    logits = packed_forward(ours, cache, [3, 1, 0], [len(seqs[0]) - 1, 0, len(seqs[2]) - 1], step2, _all(step2))
+    a, b, c = (_hf_logits(ref, s) for s in seqs)
+    torch.testing.assert_close(logits[0], a[-1], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[1:41], b, atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[41], c[-1], atol=TOL, rtol=0)

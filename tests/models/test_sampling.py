@@ -101,8 +101,8 @@ def test_from_params_packs_rows_and_flags():
     assert not st_.no_top_p and st_.no_min_p and not st_.no_penalties
     assert not st_.all_greedy and st_.any_greedy
     # Out-of-vocabulary bias ids are dropped.
-    assert st_.logit_bias_rows.tolist() == [1] and st_.logit_bias_ids.tolist() == [3]
-    assert st_.logit_bias_values.tolist() == [2.0]
+    assert st_.logit_bias.shape == (3, V) and st_.logit_bias[1, 3].item() == 2.0
+    assert st_.logit_bias.abs().sum().item() == 2.0
 
     plain = make_st([SamplingParams(seed=0)] * 2)
     assert plain.no_top_k and plain.no_top_p and plain.no_min_p and plain.no_penalties and plain.no_logit_bias

@@ -176,7 +176,7 @@ def test_draft_model_failure_falls_back_to_plain_decoding(target, tiny_llama_dir
     runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig("draft_model", str(tiny_llama_dir)))
     config = engine_config(target)
     plain = run_offline(runner, config, requests_for(target, "plain", False))
-    real_forward = draft_model.packed_forward
+    real_forward = draft_model.forward_step
     calls = {"n": 0, "raised": 0}
 
     def failing_forward(*args, **kwargs):
@@ -186,7 +186,7 @@ def test_draft_model_failure_falls_back_to_plain_decoding(target, tiny_llama_dir
             raise RuntimeError("draft model exploded")
         return real_forward(*args, **kwargs)
 
-    monkeypatch.setattr(draft_model, "packed_forward", failing_forward)
+    monkeypatch.setattr(draft_model, "forward_step", failing_forward)
     spec = run_offline(runner, config, requests_for(target, "spec", True))
     tally.faults_injected += calls["raised"]
     assert calls["raised"] > 0
@@ -211,7 +211,7 @@ def test_failed_drafts_leave_sampled_output_as_plain(target, tiny_llama_dir, mon
     def broken(*args, **kwargs):
         raise RuntimeError("draft model exploded")
 
-    monkeypatch.setattr(draft_model, "packed_forward", broken)
+    monkeypatch.setattr(draft_model, "forward_step", broken)
     spec = run_offline(runner, config, requests_for(target, "spec", True, **params))
     tally.faults_injected += 1
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]

@@ -1,0 +1,182 @@
+"""The runner's step: draft-model batches with ragged k and mixed greedy/sampled
+rows, draft KV after rejections, and the host-transfer budget of a step."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.builder import ProposerConfig, build_runner
+from models.forward import packed_forward
+from models.kv_cache import KVCache
+from models.loader import ModelConfig, load_model
+from models.runner import ModelRunner, RunnerConfig
+from models.transfer import TransferCounter
+from scheduler.offline import run_offline
+from scheduler.policy import SpecConfig
+from scheduler.scheduler import SchedulerConfig
+from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
+
+PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G", "for i in range(10):\n"]
+
+
+def make_runner(model_dir: Path, method: str = "ngram", draft: Path | None = None) -> ModelRunner:
+    target = load_model(ModelConfig(str(model_dir), dtype="float32", device="cpu"))
+    return build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig(method, str(draft) if draft else None))
+
+
+def running(rid: str, prompt: list[int], slot: int, **params) -> Request:
+    params.setdefault("temperature", 0)
+    request = Request(rid, prompt, SamplingParams(max_tokens=64, ignore_eos=True, **params))
+    request.status, request.slot = RequestStatus.RUNNING, slot
+    return request
+
+
+def step(runner: ModelRunner, requests: list[Request], k: list[int]) -> list:
+    """One step for requests past their prompt (or prefilling it whole), applied as the scheduler would."""
+    rows = []
+    for request, ki in zip(requests, k):
+        if request.num_computed_tokens < len(request.prompt_ids):
+            rows.append(ScheduledRow(request, request.prompt_ids, 0, sample=True))
+        else:
+            rows.append(ScheduledRow(request, [request.output_ids[-1]], request.num_computed_tokens, True, ki))
+    out = runner.execute(Batch(rows=rows))
+    for row, row_out in zip(rows, out.rows):
+        assert row_out.error is None
+        row.request.num_computed_tokens = row.start_pos + len(row.token_ids) + row_out.num_accepted_tokens
+        row.request.output_ids += row_out.token_ids
+    return out.rows
+
+
+def test_draft_model_mixed_greedy_and_sampled_rows_with_ragged_k(tiny_llama_dir, tiny_draft_dir, caplog):
+    """Greedy and sampled rows drafting different k in one batch: no step fails
+    (the engine never re-runs rows alone), and greedy rows equal plain decoding."""
+    runner = make_runner(tiny_llama_dir, "draft_model", tiny_draft_dir)
+    tok = runner.target.tokenizer
+    config = SchedulerConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, spec=SpecConfig(num_speculative_tokens=4))
+
+    def requests(tag: str, speculation) -> list[Request]:
+        out = []
+        for i, prompt in enumerate(PROMPTS):
+            sampled = i % 2 == 1
+            out.append(
+                Request(
+                    f"{tag}{i}",
+                    tok(prompt).input_ids,
+                    SamplingParams(
+                        max_tokens=24,
+                        temperature=0.8 if sampled else 0,
+                        seed=i,
+                        ignore_eos=True,
+                        speculation=speculation,
+                        num_speculative_tokens=[2, 4, 3, 1][i],
+                    ),
+                )
+            )
+        return out
+
+    with caplog.at_level(logging.ERROR):
+        spec = run_offline(runner, config, requests("s", True))
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    plain = run_offline(runner, config, requests("p", False))
+    for i in (0, 2):
+        assert spec[i].token_ids == plain[i].token_ids
+    assert all(c.num_draft_tokens > 0 for c in spec)
+    # And one step by hand, so the shape is exactly the one that used to fail.
+    reqs = [running(f"h{i}", tok(p).input_ids, i, temperature=0.8 if i % 2 else 0, seed=i) for i, p in enumerate(PROMPTS)]
+    step(runner, reqs, [0] * 4)
+    rows = step(runner, reqs, [3, 2, 1, 4])
+    assert [r.num_draft_tokens for r in rows] == [3, 2, 1, 4]
+
+
+def _draft_kv_matches_fresh_prefill(runner: ModelRunner, request: Request) -> None:
+    proposer = runner.proposer
+    n = proposer._computed[request.request_id]
+    assert n >= len(request.prompt_ids)
+    draft = proposer.draft.model
+    fresh = KVCache.for_model(draft.config, 1, 256, torch.float32, torch.device("cpu"))
+    tokens = request.all_token_ids[:n]
+    packed_forward(draft, fresh, [0], [0], [tokens], [n - 1])
+    for layer in range(len(fresh.keys)):
+        torch.testing.assert_close(proposer.cache.keys[layer][request.slot, :, :n], fresh.keys[layer][0, :, :n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(proposer.cache.values[layer][request.slot, :, :n], fresh.values[layer][0, :, :n], atol=1e-5, rtol=0)
+
+
+def test_draft_kv_after_rejections_and_plain_steps_equals_a_fresh_prefill(tiny_llama_dir, tiny_draft_dir):
+    """Verify rejects drafts, the row runs plain steps, then drafts again: the draft
+    model's KV must hold only accepted tokens, not the rejected drafts."""
+    runner = make_runner(tiny_llama_dir, "draft_model", tiny_draft_dir)
+    request = running("r", runner.target.tokenizer(PROMPTS[1]).input_ids, slot=2)
+    step(runner, [request], [0])  # prefill
+    (first,) = step(runner, [request], [4])
+    assert first.num_accepted_tokens < 4  # the 1-layer draft is rejected somewhere: stale positions exist
+    for _ in range(3):
+        step(runner, [request], [0])
+    step(runner, [request], [3])
+    _draft_kv_matches_fresh_prefill(runner, request)
+
+
+@pytest.mark.parametrize(
+    "method,k,params",
+    [
+        ("none", 0, {}),
+        ("ngram", 6, {}),
+        ("ngram", 6, {"logprobs": 3, "presence_penalty": 0.5, "logit_bias": {5: 1.0}}),
+        ("draft_model", 3, {"temperature": 0.7, "top_p": 0.9}),
+    ],
+    ids=["plain", "ngram-verify", "verify-logprobs-penalties", "draft-model-sampled"],
+)
+def test_a_step_uploads_once_and_downloads_once(tiny_llama_dir, tiny_draft_dir, monkeypatch, method, k, params):
+    """Every host->device and device->host crossing of a step goes through
+    `models.transfer`, once each way, whatever the step does."""
+    runner = make_runner(tiny_llama_dir, method, tiny_draft_dir if method == "draft_model" else None)
+    tok = runner.target.tokenizer
+    reqs = [running(f"t{i}", tok(p * 3).input_ids, i, seed=i, **({"temperature": 0} | params)) for i, p in enumerate(PROMPTS)]
+    reqs[1].params.temperature = 0  # a greedy row among sampled ones
+    step(runner, reqs, [0] * 4)
+    if method == "ngram":  # host drafts for sure: two rows follow a prediction, two look up n-grams
+        for r in reqs[:2]:
+            r.prediction_ids = r.output_ids + [5, 6, 7, 8, 9, 10, 11]
+    # Host data may reach the device only through the step's one upload: any other
+    # tensor built from Python data, or read back, during the step is a defect.
+    stray = []
+
+    for name in ("tensor", "as_tensor"):
+        real = getattr(torch, name)
+
+        def spy(*args, _real=real, **kwargs):
+            stray.extend(f for f in _callers() if not f.startswith("models/transfer.py"))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, spy)
+    for name in ("tolist", "item", "cpu"):
+        real = getattr(torch.Tensor, name)
+
+        def spy_method(self, *args, _real=real, **kwargs):
+            stray.extend(f for f in _callers() if not f.startswith("models/transfer.py"))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy_method)
+    with TransferCounter() as counter:
+        rows = step(runner, reqs, [k] * 4)
+    monkeypatch.undo()
+    assert (counter.uploads, counter.downloads) == (1, 1)
+    assert not stray, stray
+    if k:
+        assert any(r.num_draft_tokens for r in rows)
+
+
+def _callers() -> list[str]:
+    """The project's frames (models/, scheduler/) on the current stack, as 'path:line'."""
+    import traceback
+
+    root = Path(__file__).resolve().parents[2]
+    frames = []
+    for frame in traceback.extract_stack()[:-2]:
+        path = Path(frame.filename).resolve()
+        if root in path.parents and path.parts[len(root.parts)] in ("models", "scheduler"):
+            frames.append(f"{path.relative_to(root)}:{frame.lineno}")
+    return frames[-1:]
