@@ -7,7 +7,7 @@ possibly empty). Model-free proposers have one-hot q (`probs` None).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -64,24 +64,75 @@ def find_ngram_continuation(
     return []
 
 
+@dataclass
+class NgramIndex:
+    """Earliest end position of every n-gram (min_n..max_n) of one token stream.
+
+    Tokens only ever append (the index covers accepted tokens, never drafts),
+    so each new token adds max_n - min_n + 1 entries: O(new tokens) per step.
+    `lookup` gives what `find_ngram_continuation(tokens, tokens, k, ...,
+    exclude_tail=True)` gives, without rescanning the history.
+    """
+
+    min_n: int
+    max_n: int
+    tokens: list[int] = field(default_factory=list)
+    _first_end: dict[tuple[int, ...], int] = field(default_factory=dict)
+    work: int = 0  # entries inserted or probed: what a test can count
+
+    def extend(self, new_tokens: list[int]) -> None:
+        tokens = self.tokens
+        for token in new_tokens:
+            tokens.append(token)
+            end = len(tokens)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._first_end.setdefault(tuple(tokens[end - n : end]), end)
+                self.work += 1
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to k tokens that followed the earliest earlier occurrence of the longest n-gram ending the stream."""
+        tokens = self.tokens
+        length = len(tokens)
+        if k <= 0:
+            return []
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            self.work += 1
+            end = self._first_end.get(tuple(tokens[length - n :]))
+            if end is not None and end < length:  # an occurrence other than the tail itself
+                return tokens[end : end + k]
+        return []
+
+
 class NgramProposer:
-    """Prompt lookup decoding: copy what followed the first occurrence of the longest matching n-gram."""
+    """Prompt lookup decoding: copy what followed the first occurrence of the longest matching n-gram.
+
+    Each request keeps an `NgramIndex` over its prompt and accepted output,
+    extended with the tokens accepted since its last step.
+    """
 
     method = "ngram"
 
-    def __init__(self, min_n: int = 1, max_n: int = 4, max_lookback: int = 4096):
-        self.min_n, self.max_n, self.max_lookback = min_n, max_n, max_lookback
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+        self._index: dict[str, NgramIndex] = {}
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
         drafts = []
         for request, k in zip(requests, num_tokens):
-            tokens = request.all_token_ids[-self.max_lookback :]
-            ids = find_ngram_continuation(tokens, tokens, k, self.min_n, self.max_n, exclude_tail=True)
-            drafts.append(Draft(ids, self.method))
+            index = self._index.get(request.request_id)
+            if index is None:
+                index = self._index[request.request_id] = NgramIndex(self.min_n, self.max_n)
+            seen = len(index.tokens)
+            num_prompt = len(request.prompt_ids)
+            if seen < num_prompt:
+                index.extend(request.prompt_ids[seen:])
+                seen = num_prompt
+            index.extend(request.output_ids[seen - num_prompt :])
+            drafts.append(Draft(index.lookup(k), self.method))
         return drafts
 
     def free(self, request_id: str) -> None:
-        pass
+        self._index.pop(request_id, None)
 
 
 class PredictionProposer:

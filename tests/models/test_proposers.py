@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models.proposers import NgramProposer, PredictionProposer, find_ngram_continuation
+from models.proposers import NgramIndex, NgramProposer, PredictionProposer, find_ngram_continuation
 from scheduler.types import Request, SamplingParams
 
 
@@ -35,3 +35,35 @@ def test_prediction_follows_then_resynchronises():
     assert proposer.propose([request], [3])[0].token_ids == [22, 23, 24]
     request.output_ids = [20, 21, 99, 23, 24]  # an edit, then back on the prediction
     assert proposer.propose([request], [2])[0].token_ids == [25, 26]
+
+
+def test_ngram_index_matches_a_full_rescan_at_every_step():
+    """The incremental index proposes exactly what rescanning the whole history proposes."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(20):
+        min_n, max_n = rng.choice([(1, 4), (2, 3), (1, 1)])
+        index = NgramIndex(min_n, max_n)
+        tokens: list[int] = []
+        for _ in range(60):
+            new = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+            tokens += new
+            index.extend(new)
+            k = rng.randrange(0, 6)
+            assert index.lookup(k) == find_ngram_continuation(tokens, tokens, k, min_n, max_n, exclude_tail=True)
+
+
+def test_ngram_proposer_work_is_linear_in_new_tokens():
+    """Per step the proposer touches O(new tokens), not the history (work counted, not timed)."""
+    proposer = NgramProposer(min_n=1, max_n=4)
+    request = Request("w", list(range(4000)), SamplingParams(max_tokens=200))
+    proposer.propose([request], [4])
+    index = proposer._index["w"]
+    for step in range(50):
+        before = index.work
+        request.output_ids += [step % 7, (step * 3) % 11]  # two accepted tokens per step
+        proposer.propose([request], [4])
+        assert index.work - before <= 2 * 4 + 4  # 4 n-gram sizes per new token, <= 4 probes
+    proposer.free("w")
+    assert "w" not in proposer._index
