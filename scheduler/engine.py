@@ -191,6 +191,9 @@ class AsyncEngine:
             batch, aborted = self.scheduler.schedule()
             self._publish(aborted)
             if not batch.rows:
+                if batch.finished_ids:
+                    # Nothing to run, but the runner still drops the finished requests' state.
+                    await self._execute(batch)
                 if aborted or batch.finished_ids:
                     self._observe_idle(aborted)
                 continue

@@ -144,17 +144,19 @@ class SpecPolicy:
     _state: dict[str, AcceptanceState] = field(default_factory=dict)
     _recent: PositionCounts = field(default_factory=PositionCounts)  # engine-wide
 
-    def decide(self, requests: list[Request], caps: list[int], budget: int) -> list[int]:
-        """Draft tokens per request for this step (same order).
+    def decide(self, requests: list[Request], caps: list[int], budget: int, num_running: int | None = None) -> list[int]:
+        """Draft tokens per decoding request for this step (same order).
 
         `caps[i]` bounds request i's draft by its length limits; all drafts
-        together use at most `budget` tokens.
+        together use at most `budget` tokens. `num_running` (default: the
+        decoding requests) is what the threshold compares: every running
+        request, prefilling ones included.
         """
         ks = [0] * len(requests)
         k_maxes = [min(self._k_max(r), cap) for r, cap in zip(requests, caps)]
         if not requests:
             return ks
-        batch_size = len(requests)
+        batch_size = len(requests) if num_running is None else num_running
         auto_allowed = self.config.spec_disable_batch_size > 0 and batch_size <= self.config.spec_disable_batch_size
         candidates: list[tuple[float, int]] = []  # (gain, row)
         for i, request in enumerate(requests):

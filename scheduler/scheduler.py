@@ -136,7 +136,7 @@ class Scheduler:
             budget -= len(prefills[-1].token_ids)
 
         caps = [self._draft_cap(r) for r in decoding]
-        ks = self.policy.decide(decoding, caps, budget) if decoding else []
+        ks = self.policy.decide(decoding, caps, budget, num_running=len(self.running)) if decoding else []
         for request, k in zip(decoding, ks):
             rows.append(
                 ScheduledRow(

@@ -181,6 +181,24 @@ def test_spec_threshold_makes_plain_steps():
     assert len(batch.rows) == 2 and all(r.num_spec_tokens > 0 for r in batch.rows)
 
 
+def test_spec_threshold_counts_prefilling_requests():
+    """The threshold compares running requests, as documented: a long prompt
+    still prefilling counts, though it does not decode yet."""
+    s = scheduler(max_num_seqs=4, max_num_batched_tokens=8, spec=SpecConfig(num_speculative_tokens=3, spec_disable_batch_size=2))
+    for i in range(2):
+        s.add(make(f"r{i}", max_tokens=20))
+    batch, _ = s.schedule()
+    s.update(batch, fake_step(batch))
+    batch, _ = s.schedule()
+    assert all(r.num_spec_tokens > 0 for r in batch.rows)  # 2 running: at the threshold
+    s.add(make("long", prompt_len=40, max_tokens=4))
+    s.update(batch, fake_step(batch))
+    batch, _ = s.schedule()
+    decoding = [r for r in batch.rows if r.request_id != "long"]
+    assert any(r.request_id == "long" and not r.sample for r in batch.rows)  # prefilling in chunks
+    assert decoding and not any(r.num_spec_tokens for r in decoding)  # 3 running > 2
+
+
 def test_forced_and_disabled_speculation():
     s = scheduler(max_num_seqs=3, spec=SpecConfig(num_speculative_tokens=3, spec_disable_batch_size=1))
     s.add(make("on", max_tokens=20, speculation=True))
