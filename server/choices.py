@@ -83,6 +83,7 @@ class Choice:
         self.num_shown = 0  # characters released to the client
         self.last: RequestOutput | None = None
         self.finish_reason: str | None = None
+        self.num_completion_tokens: int | None = None  # set when a stop string ends the output
 
     @property
     def finished(self) -> bool:
@@ -94,7 +95,11 @@ class Choice:
         if out.finished and out.finish_reason is FinishReason.ERROR:
             self.finish_reason = "error"
             raise EngineError(f"the engine failed this request: {out.error or 'unknown error'}", code="engine_error")
-        piece = self._detokenizer.push(out.new_token_ids) if out.new_token_ids else ""
+        # Token by token, so a stop string can be traced to the token that completed it.
+        piece, token_ends = "", []
+        for token_id in out.new_token_ids:
+            piece += self._detokenizer.push([token_id])
+            token_ends.append(self._num_decoded + len(piece))
         if out.finished:
             piece += self._detokenizer.flush()
         if self.want_logprobs and out.new_token_ids:
@@ -105,6 +110,10 @@ class Choice:
         if matched:
             self.finish_reason = "stop"
             self.stream.abort()
+            # Tokens the engine accepted past the stop string (same step) are not part of the completion.
+            stop_end = self._stops.stop_end or 0
+            used = next((i + 1 for i, end in enumerate(token_ends) if end >= stop_end), len(token_ends))
+            self.num_completion_tokens = out.num_output_tokens - len(out.new_token_ids) + used
         elif out.finished:
             text += self._stops.flush()
             self.finish_reason = out.finish_reason.value if out.finish_reason else "stop"
@@ -192,7 +201,9 @@ def abort_all(choices: list[Choice]) -> None:
 def usage_of(choices: list[Choice], num_prompt_tokens: int) -> Usage:
     completion = accepted = rejected = 0
     for choice in choices:
-        if choice.last is not None:
+        if choice.num_completion_tokens is not None:
+            completion += choice.num_completion_tokens
+        elif choice.last is not None:
             completion += choice.last.num_output_tokens
         a, r = choice.usage_details()
         accepted += a

@@ -70,15 +70,20 @@ class StopStringMatcher:
         self._stops = [s for s in stops if s]
         self._include_stop = include_stop
         self._held = ""
+        self._consumed = 0  # characters pushed so far
+        self.stop_end: int | None = None  # where the matched stop string ends, in characters of the output
 
     def push(self, text: str) -> tuple[str, bool]:
         """The text safe to show now, and whether a stop string matched (the output ends)."""
         if not self._stops:
             return text, False
+        base = self._consumed - len(self._held)  # output offset of the held text
+        self._consumed += len(text)
         held = self._held + text
         match = self._first_match(held)
         if match is not None:
             start, stop = match
+            self.stop_end = base + start + len(stop)
             self._held = ""
             return held[: start + len(stop) if self._include_stop else start], True
         keep = self._partial_match_length(held)

@@ -1,0 +1,59 @@
+"""One output sequence's bookkeeping (`server.choices.Choice`), without a server."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from tiny_models import build_tokenizer
+
+from server.choices import Choice, usage_of
+from scheduler.types import FinishReason, RequestOutput, SamplingParams
+
+
+class FakeStream:
+    def __init__(self):
+        self.request = SimpleNamespace(params=SamplingParams(), prediction_ids=None)
+        self.aborted = False
+
+    def abort(self):
+        self.aborted = True
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def make_choice(tokenizer, stop: list[str]) -> Choice:
+    req = SimpleNamespace(stop=stop, include_stop_str_in_output=False, skip_special_tokens=True)
+    return Choice(0, FakeStream(), SimpleNamespace(tokenizer=tokenizer), req, prompt_ids=[])
+
+
+@pytest.mark.parametrize("split", [1, 3, 100], ids=["token-per-step", "three-per-step", "one-verify-run"])
+def test_usage_counts_tokens_up_to_the_stop_string_not_past_it(tokenizer, split):
+    """A verify step can accept tokens after a stop string: usage counts only the
+    tokens up to the one that completed it, however the tokens arrived."""
+    before, after = "The quick brown fox", " jumps over the lazy dog."
+    ids = tokenizer.encode(before + " STOP" + after, add_special_tokens=False)
+    needed = next(n for n in range(1, len(ids) + 1) if "STOP" in tokenizer.decode(ids[:n]))
+    assert needed < len(ids) - 3  # the stop string lands well inside the run
+    choice = make_choice(tokenizer, ["STOP"])
+    shown = ""
+    for start in range(0, len(ids), split):
+        chunk = ids[start : start + split]
+        update = choice.update(RequestOutput("r", chunk, num_output_tokens=start + len(chunk)))
+        shown += update.text if update else ""
+        if choice.finished:
+            break
+    assert choice.finish_reason == "stop" and choice.stream.aborted
+    assert shown == before + " "
+    usage = usage_of([choice], num_prompt_tokens=5)
+    assert usage.completion_tokens == needed and usage.total_tokens == 5 + needed
+
+
+def test_usage_without_stop_strings_is_the_engine_count(tokenizer):
+    choice = make_choice(tokenizer, [])
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    choice.update(RequestOutput("r", ids, finished=True, finish_reason=FinishReason.LENGTH, num_output_tokens=len(ids)))
+    assert usage_of([choice], 2).completion_tokens == len(ids)
