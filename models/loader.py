@@ -52,7 +52,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _CACHE_MARKER = "specd-cache.json"
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: config.json names `architectures`
 _STALE_TMP_SECONDS = 3600
 _HASHED_BYTES = 4 << 20
 
@@ -337,6 +337,9 @@ def _save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are dequantized: a reload must not look for a GGUF
+    # A complete transformers directory: tools that pick the class from the config
+    # (`transformers serve`, guidellm's tokenizer loading) can open it too.
+    config.architectures = [type(model).__name__]
     config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import copy
 import dataclasses
 import logging
@@ -201,6 +203,8 @@ def test_gguf_conversion_is_cached_and_reused(fake_gguf, tiny_dirs):
     assert len(fake_gguf["calls"]) == 1
     [entry] = _cache_entries(fake_gguf["models_dir"])  # no temp dir left behind
     assert entry.name.startswith("tiny-") and (entry / "specd-cache.json").is_file()
+    # A complete transformers model directory: other tools pick the class from config.json.
+    assert json.loads((entry / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     assert first.model_id == fake_gguf["cfg"].model
     model = second.model
     assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
