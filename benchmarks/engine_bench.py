@@ -3,6 +3,7 @@
     python -m benchmarks.engine_bench                      # both sections, fp32 and bf16
     python -m benchmarks.engine_bench --section batch --dtypes bfloat16
     python -m benchmarks.engine_bench --section spec --max-tokens 128
+    python -m benchmarks.engine_bench --section step --dtypes float32,bfloat16
 
 Greedy, ignore_eos, so every configuration generates the same number of tokens.
 Every ratio is against a baseline measured in the same run on the same machine.
@@ -22,6 +23,7 @@ import torch
 from benchmarks.common import chat_ids, engine_run, hf_run, load, table
 from benchmarks.make_draft import make_layer_draft
 from benchmarks.prompts import KINDS
+from benchmarks.step_bench import step_section
 
 
 def batch_section(dtype: str, sizes: list[int], max_tokens: int, model: str | None, device: str) -> tuple[str, list[dict]]:
@@ -91,7 +93,7 @@ def spec_section(dtype: str, max_tokens: int, model: str | None, draft_layers: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--section", choices=["batch", "spec", "all"], default="all")
+    parser.add_argument("--section", choices=["batch", "spec", "step", "all"], default="all")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to run")
     parser.add_argument("--batch-sizes", default="1,4,8,16")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -107,6 +109,10 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         if args.section in ("batch", "all"):
             text, rec = batch_section(dtype, [int(x) for x in args.batch_sizes.split(",")], args.max_tokens, args.model, args.device)
+            print(text + "\n", flush=True)
+            records += rec
+        if args.section in ("step", "all"):
+            text, rec = step_section(load(dtype, args.model, args.device), dtype)
             print(text + "\n", flush=True)
             records += rec
         if args.section in ("spec", "all"):

@@ -2,7 +2,9 @@
 # The benchmarks on one GPU, offline, in under 8 minutes:
 #   1. memory bandwidth (a torch device-to-device copy) and the target's bf16
 #      weight bytes: the bandwidth floor of one decode step;
-#   2. the engine batch-size sweep (benchmarks.engine_bench --section batch);
+#   2. the engine step (benchmarks.engine_bench --section step: ms per step by
+#      batch shape, host transfers and CUDA syncs per step) and the batch-size
+#      sweep (--section batch);
 #   3. the serving benchmark, speculation off / on / auto, for the target with
 #      the n-gram proposer and with a draft cut from it by benchmarks/make_draft.py;
 #   4. a short table, printed last.
@@ -85,6 +87,10 @@ print(f"weights {weight_bytes / 1e6:.0f} MB (bf16), copy bandwidth {bandwidth / 
 EOF
 
 if "$PYTHON" -m benchmarks.engine_bench --help | grep -q -- "--device"; then
+    stamp "engine step: time, host transfers and device syncs per step"
+    timeout 120 "$PYTHON" -m benchmarks.engine_bench --section step --dtypes bfloat16 --device "$DEVICE" \
+        ${MODEL:+--model "$MODEL"} --json "$OUT_DIR/engine_step.json" | tee "$OUT_DIR/engine_step.md" \
+        || echo "engine step benchmark failed or ran out of time" >&2
     stamp "engine batch-size sweep"
     timeout 150 "$PYTHON" -m benchmarks.engine_bench --section batch --dtypes bfloat16 --device "$DEVICE" \
         --batch-sizes 1,4,8,16,32 --max-tokens "$MAX_TOKENS" ${MODEL:+--model "$MODEL"} \
@@ -122,6 +128,12 @@ if engine.exists():
     for rec in json.loads(engine.read_text()):
         if rec["seqs"] == 1:
             lines.append(f"| engine, batch 1, spec off (1 / tok/s) | {1e3 / rec['engine_tps']:.2f} |")
+step = out / "engine_step.json"
+if step.exists():
+    for rec in json.loads(step.read_text()):
+        if "case" in rec:
+            lines.append(f"| step: {rec['case']} ({rec['device_syncs']} syncs, {rec['host_transfers']:.0f} transfers) "
+                         f"| {rec['ms']:.2f} |")
 reports = sorted(out.glob("*/serve_bench.json"))
 for path in reports:
     for run in json.loads(path.read_text())["runs"]:

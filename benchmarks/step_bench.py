@@ -1,0 +1,183 @@
+"""Engine step micro-benchmark: the cost of one `ModelRunner.execute` by batch shape.
+
+    python -m benchmarks.engine_bench --section step --dtypes float32,bfloat16
+
+Rows are built by hand (no scheduler), so each case is exactly the shape it
+names; KV content is whatever the cache holds, which does not change the cost.
+Every ratio is against a case measured in the same run:
+
+- batch 8 decode on slots 0..7 (in order) vs on 8 scattered slots (after churn);
+- one 512-token prefill chunk + 7 decode rows vs the two parts run alone;
+- a verify of 1 + 10 tokens vs transformers' own forward of 11 tokens over the
+  same context (a `DynamicCache`, as `generate()` uses).
+
+"Host transfers" counts host->device and device->host copies per step, as
+`models.transfer` sees them (the only sanctioned crossing points). On CUDA,
+"device syncs" counts what `torch.cuda.set_sync_debug_mode` reports during
+one step: every operation that made the host wait for the GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.common import table
+from models.builder import ProposerConfig, build_runner
+from models.loader import LoadedModel
+from models.runner import ModelRunner, RunnerConfig
+from models.transfer import TransferCounter
+from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
+
+NUM_SLOTS = 16
+MAX_LEN = 2048
+
+
+@dataclass
+class StepCase:
+    name: str
+    rows: list[ScheduledRow]
+
+
+def _request(rid: str, context: int, slot: int, vocab: int, prediction: int = 0) -> Request:
+    g = torch.Generator().manual_seed(hash(rid) % 2**31)
+    ids = torch.randint(10, vocab - 10, (context + 1 + prediction,), generator=g).tolist()
+    request = Request(
+        rid,
+        ids[:context],
+        SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, speculation=True),
+        prediction_ids=ids[context : context + 1 + prediction] if prediction else None,
+    )
+    request.status, request.slot = RequestStatus.RUNNING, slot
+    return request
+
+
+def decode_row(rid: str, context: int, slot: int, vocab: int, drafts: int = 0) -> ScheduledRow:
+    """A row past its prompt: one new token at position `context`, plus `drafts` verify tokens."""
+    request = _request(rid, context, slot, vocab, prediction=drafts)
+    last = request.prediction_ids[0] if drafts else 11
+    request.output_ids = [last]
+    request.num_computed_tokens = context
+    return ScheduledRow(request, [last], context, sample=True, num_spec_tokens=drafts)
+
+
+def prefill_row(rid: str, length: int, slot: int, vocab: int) -> ScheduledRow:
+    request = _request(rid, length, slot, vocab)
+    return ScheduledRow(request, request.prompt_ids, 0, sample=True)
+
+
+def count_device_syncs(runner: ModelRunner, batch: Batch) -> int | None:
+    """Synchronizing CUDA operations in one step (None off CUDA)."""
+    if runner.device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            runner.execute(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def time_step(runner: ModelRunner, rows: list[ScheduledRow], repeats: int) -> tuple[float, float, int | None]:
+    """Median seconds of one step over `repeats` runs, host transfers and device syncs per step."""
+    batch = Batch(rows=rows)
+    runner.execute(batch)  # warm-up (allocations, kernel selection)
+    times = []
+    counter = TransferCounter()
+    with counter:
+        runner.execute(batch)
+    syncs = count_device_syncs(runner, batch)
+    for _ in range(repeats):
+        _sync(runner.device)
+        start = time.perf_counter()
+        runner.execute(batch)
+        _sync(runner.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), float(counter.total), syncs
+
+
+@torch.inference_mode()
+def time_hf_forward(model: LoadedModel, context: int, new: int, repeats: int) -> float:
+    """transformers' own forward of `new` tokens over a cached `context`."""
+    from transformers import DynamicCache
+
+    vocab = model.vocab_size
+    ids = torch.randint(10, vocab - 10, (1, context + new), device=model.device)
+    own = model.model.config._attn_implementation
+    model.model.set_attn_implementation("sdpa")  # transformers' default path, not ours
+    try:
+        cache = DynamicCache(config=model.model.config)
+        model.model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+        times = []
+        for i in range(repeats + 1):
+            if i:
+                cache.crop(-new)  # drop the last forward's tokens
+            _sync(model.device)
+            start = time.perf_counter()
+            model.model(input_ids=ids[:, context:], past_key_values=cache, use_cache=True, logits_to_keep=new)
+            _sync(model.device)
+            times.append(time.perf_counter() - start)
+    finally:
+        model.model.set_attn_implementation(own)
+    return statistics.median(times[1:])
+
+
+def step_section(target: LoadedModel, dtype: str, repeats: int = 7) -> tuple[str, list[dict]]:
+    runner = build_runner(target, RunnerConfig(max_num_seqs=NUM_SLOTS, max_model_len=MAX_LEN), ProposerConfig("ngram"))
+    vocab = target.vocab_size
+    ctx = 300
+    decode8_in_order = [decode_row(f"o{i}", ctx, i, vocab) for i in range(8)]
+    decode8_churned = [decode_row(f"c{i}", ctx, s, vocab) for i, s in enumerate([13, 2, 9, 4, 15, 6, 11, 0])]
+    prefill = prefill_row("p", 512, 8, vocab)
+    decode7 = [decode_row(f"m{i}", ctx, i, vocab) for i in range(7)]
+    cases = [
+        ("batch 1 decode (300 ctx)", [decode_row("d", ctx, 0, vocab)]),
+        ("batch 1 verify 1+10 (300 ctx)", [decode_row("v", ctx, 0, vocab, drafts=10)]),
+        ("batch 8 decode, slots in order", decode8_in_order),
+        ("batch 8 decode, slots after churn", decode8_churned),
+        ("512-token prefill chunk alone", [prefill]),
+        ("7 decode rows alone", decode7),
+        ("512 prefill + 7 decode rows", decode7 + [prefill]),
+        ("batch 16 decode (1k ctx)", [decode_row(f"k{i}", 1024, i, vocab) for i in range(16)]),
+        ("batch 16 verify 1+4 (1k ctx)", [decode_row(f"w{i}", 1024, i, vocab, drafts=4) for i in range(16)]),
+    ]
+    measured = {name: time_step(runner, rows, repeats) for name, rows in cases}
+    hf11 = time_hf_forward(target, ctx, 11, repeats)
+    hf1 = time_hf_forward(target, ctx, 1, repeats)
+
+    rows, records = [], []
+    for name, (seconds, transfers, syncs) in measured.items():
+        rows.append([name, seconds * 1e3, transfers, syncs])
+        records.append({"dtype": dtype, "case": name, "ms": seconds * 1e3, "host_transfers": transfers, "device_syncs": syncs})
+    rows.append(["HF forward 1 token (300 ctx)", hf1 * 1e3, None, None])
+    rows.append(["HF forward 11 tokens (300 ctx)", hf11 * 1e3, None, None])
+    ms = {name: s for name, (s, _, _) in measured.items()}
+    ratios = [
+        ["churned / in-order (batch 8)", ms["batch 8 decode, slots after churn"] / ms["batch 8 decode, slots in order"], "<= 1.05"],
+        ["mixed / (prefill alone + decode alone)",
+         ms["512 prefill + 7 decode rows"] / (ms["512-token prefill chunk alone"] + ms["7 decode rows alone"]), "<= 1.0"],
+        ["verify 1+10 / HF forward 11", ms["batch 1 verify 1+10 (300 ctx)"] / hf11, "<= 1.0"],
+        ["verify 1+10 / decode 1", ms["batch 1 verify 1+10 (300 ctx)"] / ms["batch 1 decode (300 ctx)"], "-"],
+        ["decode 1 / HF forward 1", ms["batch 1 decode (300 ctx)"] / hf1, "-"],
+    ]
+    for name, value, goal in ratios:
+        records.append({"dtype": dtype, "ratio": name, "value": value})
+    text = (
+        f"### Step time ({dtype}, {NUM_SLOTS} slots x {MAX_LEN} tokens, median of {repeats})\n\n"
+        + table(["case", "ms / step", "host transfers", "device syncs (CUDA)"], rows)
+        + "\n\n"
+        + table(["ratio", "value", "goal"], ratios)
+    )
+    return text, records
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
