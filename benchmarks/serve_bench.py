@@ -4,6 +4,7 @@
     python -m benchmarks.serve_bench --concurrency 1,4,16 --num-requests 16 --max-tokens 64
     python -m benchmarks.serve_bench --concurrency '' --request-rate 0.5,1,2   # Poisson arrivals instead
     python -m benchmarks.serve_bench --base-url http://127.0.0.1:8000          # a specd already running
+    python -m benchmarks.serve_bench --modes off --peer transformers           # plain decoding vs a peer server
 
 One specd process serves every mode: each request picks its mode with the
 `speculation` field (off: false, on: true, auto: field left out, so the
@@ -17,7 +18,14 @@ run, so a server used by anyone else meanwhile skews them.
 Latencies, per request: TTFT = first token - send; TPOT = (last token - first
 token) / (tokens - 1); ITL = per token (a chunk of n tokens after a gap g counts n
 gaps of g/n, as specd_inter_token_latency_seconds); chunk ITL = the gap a
-streaming client sees. Output: a markdown table (stdout and OUT_DIR/serve_bench.md),
+streaming client sees.
+
+`--peer transformers` then runs the same loads against `transformers serve
+--continuous-batching` (transformers' own batching server) on the same model
+directory, dtype and device, as the mode "transformers": plain decoding only,
+so `off / transformers` is specd's batched step against a peer measured in the
+same run. The peer ignores `ignore_eos`, so its requests may stop early; tok/s
+counts the tokens it sent. Output: a markdown table (stdout and OUT_DIR/serve_bench.md),
 OUT_DIR/serve_bench.json and OUT_DIR/serve_bench.png.
 """
 
@@ -49,6 +57,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_SET_DIR = Path(__file__).resolve().parent / "prompt_sets"
 PROMPT_SETS = ("code", "chat", "extraction", "creative")
 MODES = {"off": False, "on": True, "auto": None}  # None: no `speculation` field
+PEER_MODE = "transformers"  # plain requests to the --peer server
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 COUNTERS = {
     "specd_spec_decode_num_drafts_total": "num_drafts",
@@ -91,16 +100,15 @@ class ServerError(RuntimeError):
     """specd did not start, or the server under test did not answer."""
 
 
-class SpecdProcess:
-    """`specd serve` on 127.0.0.1 and a free port; stopped by its PID."""
+class ServerProcess:
+    """An OpenAI-compatible server on 127.0.0.1 and a free port; stopped by its PID."""
 
-    def __init__(self, server_args: list[str], log_path: Path):
-        self.url = f"http://127.0.0.1:{free_port()}"
+    name = "server"
+    ready_path = "/health"
+
+    def __init__(self, command: list[str], log_path: Path, port: int, env: dict[str, str] | None = None):
+        self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1",
-                   "--port", self.url.rsplit(":", 1)[1], *server_args]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}  # the flags say it all
-        env.update(HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -111,14 +119,14 @@ class SpecdProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise ServerError(f"specd exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise ServerError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/ready", timeout=2, trust_env=False).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=2, trust_env=False).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
-        raise ServerError(f"specd was not ready within {timeout:.0f}s:\n{self.log_tail()}")
+        raise ServerError(f"{self.name} was not ready within {timeout:.0f}s:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 30) -> None:
         if self.process.poll() is None:
@@ -129,6 +137,45 @@ class SpecdProcess:
                 os.kill(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self._log.close()
+
+
+def _offline_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}  # the flags say it all
+    env.update(HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+class SpecdProcess(ServerProcess):
+    """`specd serve` with the given flags."""
+
+    name = "specd"
+    ready_path = "/ready"
+
+    def __init__(self, server_args: list[str], log_path: Path):
+        port = free_port()
+        command = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *server_args]
+        super().__init__(command, log_path, port, _offline_env())
+
+
+class TransformersServeProcess(ServerProcess):
+    """The peer: `transformers serve --continuous-batching` on the model directory specd serves."""
+
+    name = "transformers serve"
+
+    def __init__(self, args: argparse.Namespace, log_path: Path):
+        from models.loader import ModelConfig, local_model_dir, resolve_device, resolve_dtype
+
+        model_dir = local_model_dir(ModelConfig(args.model))
+        if model_dir is None:
+            raise ServerError(f"--peer needs a local model directory or GGUF, got {args.model!r}")
+        device = resolve_device(args.device or "auto")
+        dtype = str(resolve_dtype(args.dtype or "auto", device)).removeprefix("torch.")
+        port = free_port()
+        command = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
+                   "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--device", str(device),
+                   "--log-level", "warning", str(model_dir)]  # fmt: skip
+        super().__init__(command, log_path, port, _offline_env())
+        self.dtype = dtype
 
 
 def server_args(args: argparse.Namespace) -> list[str]:
@@ -165,6 +212,7 @@ class RequestResult:
     num_output_tokens: int = 0
     num_accepted: int = 0  # usage.completion_tokens_details
     num_rejected: int = 0
+    finish_reason: str | None = None
 
 
 def request_body(model: str, prompt: Prompt, mode: str, max_tokens: int) -> dict:
@@ -177,7 +225,9 @@ def request_body(model: str, prompt: Prompt, mode: str, max_tokens: int) -> dict
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
-    if MODES[mode] is not None:
+    if mode == PEER_MODE:  # plain OpenAI: the peer refuses fields it does not know
+        del body["ignore_eos"], body["stream_options"]
+    elif MODES[mode] is not None:
         body["speculation"] = MODES[mode]
     return body
 
@@ -198,6 +248,8 @@ async def send(client: httpx.AsyncClient, body: dict, result: RequestResult) -> 
                     result.ok = result.error is None
                     break
                 on_chunk(json.loads(data), time.perf_counter(), result)
+            else:  # a server that ends the stream without [DONE] (transformers serve) but finished the choice
+                result.ok = result.error is None and result.finish_reason is not None
     except asyncio.CancelledError:
         result.error = "cancelled at the time limit"
         raise
@@ -212,6 +264,8 @@ def on_chunk(chunk: dict, now: float, result: RequestResult) -> None:
         result.error = str(chunk["error"].get("message"))
         return
     usage = chunk.get("usage")
+    for choice in chunk.get("choices") or []:
+        result.finish_reason = choice.get("finish_reason") or result.finish_reason
     if chunk.get("choices"):
         if usage:
             num_new = usage["completion_tokens"] - result.num_output_tokens
@@ -391,12 +445,37 @@ def plan(args: argparse.Namespace) -> list[Load]:
     return loads + [Load("rate", r, args.num_requests or 16) for r in args.request_rate]
 
 
-async def benchmark(base_url: str, args: argparse.Namespace, prompts: list[Prompt], meta: dict) -> list[dict]:
-    """Every load x mode; the report is rewritten after each run, so a cut-short benchmark keeps its runs."""
+def http_client(base_url: str, args: argparse.Namespace) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = httpx.Timeout(args.max_seconds + 30, connect=10)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    client = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits, trust_env=False)
+    return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits, trust_env=False)
+
+
+async def benchmark_peer(base_url: str, args: argparse.Namespace, prompts: list[Prompt], meta: dict) -> list[dict]:
+    """The same loads against the peer server: plain requests, no counters to scrape."""
+    async with http_client(base_url, args) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        meta["peer_model"] = model
+        if args.warmup:
+            await drive(client, model, prompts, PEER_MODE, Load("concurrency", 1, args.warmup), args)
+        runs = []
+        zeros = dict.fromkeys([*COUNTERS.values(), "steps_spec", "steps_plain"], 0.0)
+        for load in plan(args):
+            results, seconds = [], 0.0
+            for _ in range(args.repeats):
+                await asyncio.sleep(1.0)  # the peer exposes no queue state: let it drain
+                start = time.perf_counter()
+                results += await drive(client, model, prompts, PEER_MODE, load, args)
+                seconds += time.perf_counter() - start
+            runs.append(summarize(PEER_MODE, load, results, seconds, zeros, args))
+            print(progress_line(runs[-1]), file=sys.stderr, flush=True)
+        return runs
+
+
+async def benchmark(base_url: str, args: argparse.Namespace, prompts: list[Prompt], meta: dict) -> list[dict]:
+    """Every load x mode; the report is rewritten after each run, so a cut-short benchmark keeps its runs."""
+    client = http_client(base_url, args)
     async with client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         meta.update(model=model, speculation=(await client.get("/v1/speculation")).json())
@@ -458,6 +537,7 @@ def tradeoff(runs: list[dict]) -> dict:
         tps = {mode: run["output_throughput"] for mode, run in modes.items()}
         best = max(tps.get("off", 0.0), tps.get("on", 0.0))
         rows.append({"load_kind": kind, "load": load, "output_throughput": tps,
+                     "off_vs_peer": ratio(tps["off"], tps[PEER_MODE]) if "off" in tps and tps.get(PEER_MODE) else None,
                      "on_vs_off": ratio(tps.get("on", 0.0), tps.get("off", 0.0)) if "on" in tps else None,
                      "auto_vs_best": ratio(tps["auto"], best) if "auto" in tps and best else None})  # fmt: skip
     levels = [r for r in rows if r["load_kind"] == "concurrency" and r["on_vs_off"] is not None]
@@ -504,11 +584,15 @@ def markdown(report: dict) -> str:
 
 
 def tradeoff_markdown(summary: dict) -> list[str]:
+    peer = any(r["off_vs_peer"] is not None for r in summary["rows"])
+    modes = [*MODES, PEER_MODE] if peer else list(MODES)
     rows = [[f"c={r['load']}" if r["load_kind"] == "concurrency" else f"{r['load']} req/s",
-             *(fmt(r["output_throughput"].get(m)) for m in MODES), fmt(r["on_vs_off"], 2), fmt(r["auto_vs_best"], 2)]
+             *(fmt(r["output_throughput"].get(m)) for m in modes), fmt(r["on_vs_off"], 2), fmt(r["auto_vs_best"], 2),
+             *([fmt(r["off_vs_peer"], 2)] if peer else [])]
             for r in summary["rows"]]  # fmt: skip
     text = ["\n### Speculation trade-off (output tok/s)\n",
-            md_table(["load", *MODES, "on / off", "auto / best of off, on"], rows), ""]  # fmt: skip
+            md_table(["load", *modes, "on / off", "auto / best of off, on", *(["off / transformers"] if peer else [])],
+                     rows), ""]  # fmt: skip
     if summary["crossover_concurrency"] is not None:
         level = summary["crossover_concurrency"]
         text.append(f"Speculation stops paying from concurrency {level} (on < off there and above).")
@@ -596,6 +680,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="[specd's default]")
     g.add_argument("--device", help="cpu, cuda or cuda:N [specd's default]")
     g.add_argument("--server-args", default="", help="more `specd serve` flags, one quoted string")
+    g.add_argument("--peer", choices=("transformers",),
+                   help="also run every load against this server on the same model, dtype and device: "
+                        "transformers = `transformers serve --continuous-batching` (plain decoding)")  # fmt: skip
     g = p.add_argument_group("load")
     g.add_argument("--prompt-sets", type=lambda s: s.split(","), default=list(PROMPT_SETS),
                    help=f"names under benchmarks/prompt_sets/ or .jsonl paths [{','.join(PROMPT_SETS)}]")
@@ -657,6 +744,14 @@ def main(argv: list[str] | None = None) -> int:
         if server:
             server.wait_ready(args.ready_timeout)
         runs = asyncio.run(benchmark(args.base_url or server.url, args, prompts, meta))
+        if server:
+            server.stop()
+            server = None
+        if args.peer:
+            server = TransformersServeProcess(args, args.out_dir / "peer.log")
+            meta["peer"] = f"transformers serve --continuous-batching ({server.dtype})"
+            server.wait_ready(args.ready_timeout)
+            runs += asyncio.run(benchmark_peer(server.url, args, prompts, meta))
     except (ServerError, httpx.HTTPError) as exc:
         print(f"serve_bench: error: {exc}", file=sys.stderr)
         return 2

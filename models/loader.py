@@ -284,6 +284,20 @@ def default_gguf_path() -> Path:
     return path
 
 
+def local_model_dir(cfg: ModelConfig) -> Path | None:
+    """The transformers directory specd loads `cfg.model` from, when it is local:
+    the converted cache for a GGUF (built if missing), the directory itself, or
+    None for a Hub id. For tools that should load exactly what specd serves."""
+    gguf = _gguf_path(cfg.model)
+    if gguf is not None:
+        cache = _gguf_cache_path(gguf, cfg.cache_dir or default_cache_dir())
+        if not _is_complete(cache):
+            _build_atomically(cache, lambda out: _save_converted(*_gguf_to_hf(gguf), out), source=gguf)
+        return cache
+    path = Path(cfg.model).expanduser()
+    return path if path.is_dir() else None
+
+
 def _gguf_path(model: str | None) -> Path | None:
     if model is None:
         return default_gguf_path()
