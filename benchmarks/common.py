@@ -51,7 +51,7 @@ def engine_run(
     draft: str | None = None,
     speculation="auto",
     k: int = 4,
-    threshold: int = 8,
+    threshold: int | None = None,
     name: str = "",
     runner=None,
 ) -> RunResult:

@@ -81,6 +81,7 @@ class StepPlan:
     draft_rows: list[int]
     layout: LayoutPlan
     sample_rows: list[int]
+    shadows: dict[int, list[int]] = field(default_factory=dict)  # row -> unverified draft
     buf: HostBuffer = field(default_factory=HostBuffer)
 
     @property
@@ -183,6 +184,7 @@ class ModelRunner:
             draft_rows=draft_rows,
             layout=LayoutPlan.build([r.slot for r in rows], [r.start_pos for r in rows], lens),
             sample_rows=[i for i, row in enumerate(rows) if row.sample],
+            shadows=self._shadow_drafts(rows),
         )
         buf = plan.buf
         if draft_rows:
@@ -231,6 +233,24 @@ class ModelRunner:
             if index and proposer is not None:
                 self._run_host(proposer, rows, index, drafts)
         return drafts, []
+
+    def _shadow_drafts(self, rows: list[ScheduledRow]) -> dict[int, list[int]]:
+        """Unverified drafts for plain rows the policy wants to learn about (model-free proposers only)."""
+        shadows: dict[int, list[int]] = {}
+        want = [i for i, row in enumerate(rows) if row.num_shadow_tokens and row.sample and not row.num_spec_tokens]
+        for i in want:
+            request = rows[i].request
+            proposer = self.prediction if request.prediction_ids else self.proposer
+            if proposer is None or isinstance(proposer, DraftModelProposer):
+                continue
+            try:
+                (draft,) = proposer.propose([request], [rows[i].num_shadow_tokens])
+            except Exception:  # noqa: BLE001 - a shadow is only information
+                logger.exception("%s proposer failed on a shadow draft", proposer.method)
+                continue
+            if draft.token_ids:
+                shadows[i] = draft.token_ids
+        return shadows
 
     @staticmethod
     def _run_host(proposer, rows: list[ScheduledRow], index: list[int], drafts: list[Draft | None]) -> list[Draft | None]:
@@ -360,6 +380,7 @@ class ModelRunner:
                 out.error = "the model produced non-finite logits for this request"
                 continue
             out.token_ids = ids[: n_acc + 1]
+            out.shadow_ids = plan.shadows.get(i)
             if plan.num_draft[i]:
                 out.method = plan.methods[i]
                 out.num_draft_tokens = plan.num_draft[i]

@@ -100,7 +100,7 @@ class AsyncEngine:
         thread built the model and no HTTP needs serving meanwhile."""
         self.executor = executor
         self.config = config
-        self.scheduler = Scheduler(config, has_proposer=executor.proposer_name != "none")
+        self.scheduler = Scheduler(config, proposer=executor.proposer_name)
         self.observer = observer
         self._streams: dict[str, RequestStream] = {}
         self._timing: dict[str, _Timing] = {}
@@ -117,14 +117,16 @@ class AsyncEngine:
     # -- lifecycle --
     async def start(self) -> None:
         spec = self.config.spec
+        cap = spec.spec_disable_batch_size
         logger.info(
-            "speculation: proposer=%s num_speculative_tokens=%d spec_disable_batch_size=%d adaptive=%s "
-            "(auto rows speculate while at most %d requests run; 0 = never)",
+            "speculation: proposer=%s num_speculative_tokens=%d adaptive=%s; auto rows %s",
             self.executor.proposer_name,
             spec.num_speculative_tokens,
-            spec.spec_disable_batch_size,
             spec.adaptive,
-            spec.spec_disable_batch_size,
+            "never speculate (cap 0)"
+            if cap == 0
+            else "decide per request from acceptance and the step's learned cost"
+            + (f", while at most {cap} requests run" if cap is not None else " (no batch-size cap)"),
         )
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="specd-engine")
@@ -181,6 +183,13 @@ class AsyncEngine:
     def kv_usage(self) -> float:
         return self.scheduler.kv_usage
 
+    @property
+    def spec_config(self):
+        return self.scheduler.policy.config
+
+    def policy_summary(self) -> dict:
+        return self.scheduler.policy.summary()
+
     # -- the loop --
     async def _run(self) -> None:
         while True:
@@ -204,7 +213,7 @@ class AsyncEngine:
                 await self._isolate_fault(batch, exc, aborted)
                 continue
             step_seconds = time.perf_counter() - start
-            outputs = self.scheduler.update(batch, output)
+            outputs = self.scheduler.update(batch, output, step_seconds)
             self._publish(outputs)
             self._record(batch, output, outputs + aborted, step_seconds)
             # Let the event loop run (HTTP, new submissions) between steps.
@@ -275,13 +284,6 @@ class AsyncEngine:
             self.totals.num_draft_tokens += counts.num_draft_tokens
             self.totals.num_accepted_tokens += counts.num_accepted_tokens
         self.last_step_speculated = bool(spec)
-        forward = output.phase_seconds.get("verify") or output.phase_seconds.get("decode")
-        if forward is not None:
-            num_fed = sum(len(r.token_ids) for r in batch.rows) + sum(c.num_draft_tokens for c in spec.values())
-            self.scheduler.policy.cost.observe(num_fed, forward, is_spec=bool(spec))
-        if "draft" in output.phase_seconds:
-            positions = max((r.num_draft_tokens for r in output.rows), default=0)
-            self.scheduler.policy.cost.observe_draft(positions, output.phase_seconds["draft"])
 
         stats = StepStats(
             step_seconds=step_seconds,
@@ -296,6 +298,11 @@ class AsyncEngine:
             accepted_per_position=output.accepted_per_position,
             phase_seconds=output.phase_seconds,
         )
+        check = self.scheduler.last_check
+        if check is not None:
+            stats.predicted_seconds = check.predicted_seconds
+            stats.expected_tokens = check.expected_tokens
+            stats.emitted_tokens = check.emitted_tokens
         for row in batch.rows:
             if row.start_pos == 0 and row.request.first_scheduled_time is not None:
                 stats.queue_seconds.append(row.request.first_scheduled_time - row.request.arrival_time)
@@ -311,8 +318,7 @@ class AsyncEngine:
                 timing.last_emit = now
             if out.finished:
                 self._finish_stats(stats, out, timing, now)
-        if self.observer:
-            self.observer(stats)
+        self._notify(stats)
 
     def _observe_idle(self, aborted: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -321,8 +327,16 @@ class AsyncEngine:
             timing = self._timing.get(out.request_id)
             if timing:
                 self._finish_stats(stats, out, timing, now)
-        if self.observer:
+        self._notify(stats)
+
+    def _notify(self, stats: StepStats) -> None:
+        """Hand a step to the observer; a metrics fault must never stop the engine loop."""
+        if self.observer is None:
+            return
+        try:
             self.observer(stats)
+        except Exception:  # noqa: BLE001
+            logger.exception("the step observer failed; the step itself completed")
 
     def _finish_stats(self, stats: StepStats, out: RequestOutput, timing: _Timing, now: float) -> None:
         self._timing.pop(out.request_id, None)

@@ -13,6 +13,13 @@ Useful PromQL (sum over pods and methods as needed):
     sum(rate(specd_spec_decode_num_accepted_tokens_total[5m]))
       / sum(rate(specd_spec_decode_num_draft_tokens_total[5m]))
 
+    # cost-model calibration: predicted / measured step time (1 = exact), and
+    # tokens per step the policy expected / got
+    sum(rate(specd_cost_model_predicted_seconds_total[5m]))
+      / sum(rate(specd_cost_model_observed_seconds_total[5m]))
+    sum(rate(specd_spec_policy_emitted_tokens_total[5m]))
+      / sum(rate(specd_spec_policy_expected_tokens_total[5m]))
+
     # mean acceptance length: tokens emitted per verify step that carried a
     # draft (accepted drafts + the one token the target always adds)
     1 + sum(rate(specd_spec_decode_num_accepted_tokens_total[5m]))
@@ -43,6 +50,8 @@ LATENCY_BUCKETS = (
     20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+# predicted / measured step time: 1.0 is a perfect cost model.
+RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0)
 
 PHASES = ("prefill", "draft", "verify", "decode")
 MODES = ("spec", "plain")
@@ -98,6 +107,16 @@ class MetricsObserver:
             "position",
         )
         self._steps = counter("specd_engine_steps", "Engine steps by mode.", "mode")
+        self._predicted = counter(
+            "specd_cost_model_predicted_seconds", "Step time the speculation policy's cost model predicted."
+        )
+        self._observed = counter(
+            "specd_cost_model_observed_seconds", "Measured time of the same steps (those with a prediction)."
+        )
+        self._expected_tokens = counter(
+            "specd_spec_policy_expected_tokens", "Tokens the policy expected the decode rows to emit."
+        )
+        self._emitted_tokens = counter("specd_spec_policy_emitted_tokens", "Tokens those decode rows emitted.")
 
         self._ttft = histogram("specd_time_to_first_token_seconds", "Time to first token.")
         self._itl_token = histogram(
@@ -120,6 +139,9 @@ class MetricsObserver:
         self._batch_size = histogram(
             "specd_batch_size", "Running requests per engine step.", buckets=BATCH_SIZE_BUCKETS
         )
+        self._prediction_ratio = histogram(
+            "specd_cost_model_prediction_ratio", "Per step: predicted / measured step time.", buckets=RATIO_BUCKETS
+        )
 
         self._running = gauge("specd_requests_running", "Requests in the running batch.")
         self._waiting = gauge("specd_requests_waiting", "Requests waiting for admission.")
@@ -130,7 +152,8 @@ class MetricsObserver:
         model = self.model_name
         for reason in FinishReason:
             self._requests.labels(model, reason.value)
-        for counter in (self._prompt_tokens, self._generation_tokens):
+        for counter in (self._prompt_tokens, self._generation_tokens, self._predicted, self._observed,
+                        self._expected_tokens, self._emitted_tokens):  # fmt: skip
             counter.labels(model)
         for method in spec_methods:
             for counter in (self._num_drafts, self._num_draft_tokens, self._num_accepted_tokens):
@@ -142,7 +165,7 @@ class MetricsObserver:
         for phase in PHASES:
             self._step.labels(model, phase)
         for hist in (self._ttft, self._itl_token, self._itl_chunk, self._tpot, self._e2e,
-                     self._queue, self._batch_size):  # fmt: skip
+                     self._queue, self._batch_size, self._prediction_ratio):  # fmt: skip
             hist.labels(model)
         for gauge in (self._running, self._waiting, self._kv_usage, self._spec_enabled):
             gauge.labels(model).set(0)
@@ -159,6 +182,13 @@ class MetricsObserver:
             self._batch_size.labels(model).observe(stats.batch_size)
         self._prompt_tokens.labels(model).inc(stats.num_prompt_tokens)
         self._generation_tokens.labels(model).inc(stats.num_generation_tokens)
+        if stats.predicted_seconds is not None and stats.step_seconds > 0:
+            self._predicted.labels(model).inc(stats.predicted_seconds)
+            self._observed.labels(model).inc(stats.step_seconds)
+            self._prediction_ratio.labels(model).observe(stats.predicted_seconds / stats.step_seconds)
+        if stats.expected_tokens:
+            self._expected_tokens.labels(model).inc(stats.expected_tokens)
+            self._emitted_tokens.labels(model).inc(stats.emitted_tokens)
 
         for method, counts in stats.spec.items():
             self._observe_spec(method, counts)

@@ -1,52 +1,64 @@
 """Speculation policy: which rows draft this step, and how many tokens.
 
-Rule (documented in README, "Speculation policy"):
+Rule (documented in README, "How `auto` decides"):
 
 * `speculation: false` rows never draft; `true` rows always draft their K
-  (request `num_speculative_tokens` or the engine's), whatever the batch size.
-* `auto` rows draft only while the step has at most `spec_disable_batch_size`
-  rows; above it the step is the plain decode path (no proposer call).
-* Adaptive K for `auto` rows. Each request keeps decayed counts, per draft
-  position j, of verify steps that reached j and that accepted it; their ratio
-  a_j = P(draft j accepted | drafts before it accepted) is shrunk toward the
-  engine-wide rate at j (a fresh server: 0.6). The k-th draft token of a row
-  yields an extra token with probability g_k = a_1 * ... * a_k. A step's time is modelled as a + b * tokens + c * [speculates]
-  (fitted online by the engine from its own steps; c is the fixed extra work
-  of a verify step). Adding a draft token with expected gain g raises the
-  step's throughput E/S (tokens per second) iff g * S > b_eff * E, with
-  b_eff = b + the proposer's measured seconds per draft position (a draft
-  model's forward; near zero for n-gram). Candidate draft positions of all
-  auto rows are taken greedily by decreasing g_k while that holds; the
-  step then speculates only if its expected tokens per second, c included,
-  beat the plain step's. So the same acceptance buys long drafts at batch 1
-  (cheap verify) and none in a large, compute-bound batch.
-* A request whose drafts stopped paying (k = 0) probes with one draft token
-  after `probe_interval` plain steps (doubling up to 64 while probes fail), so
-  K comes back when acceptance comes back.
+  (request `num_speculative_tokens` or the engine's), whatever the batch.
+* `auto` rows decide per row, every step. Each request keeps decayed counts,
+  per draft position j, of verify steps that reached j and that accepted it;
+  their ratio a_j = P(draft j accepted | drafts before it accepted) is shrunk
+  toward the recent rate of requests with the same proposer (a new request
+  starts from what its peers achieved). The k-th draft token of a row yields
+  an extra token with probability g_k = a_1 * ... * a_k.
+* The price of a draft token is what it adds to *this* step's time, from a
+  model of the step learned online on the running machine
+  (`scheduler.cost_model`): the slope of the step's time in its tokens at this
+  step's size, plus a draft model's forward when the token needs one more.
+  Candidate draft positions of all auto rows are taken greedily by
+  decreasing g while each raises the step's expected tokens per second
+  (g * S > dS * E, S the step's predicted time, E its expected tokens); the
+  step speculates only if the whole, its fixed verify cost included, beats
+  the plain step. So a copying row drafts long in a large batch while a
+  creative row next to it drafts nothing.
+* A row that does not draft still learns: a model-free proposer (n-gram,
+  Predicted Outputs) makes a *shadow* draft for it, which the row's next
+  emitted tokens confirm or refute at no verify cost, so acceptance that
+  jumps (a request starts quoting) is seen within a step or two. A draft
+  model cannot shadow for free: its rows probe with one draft token after
+  `probe_interval` plain steps (doubling to 64 while probes fail).
+* `spec_disable_batch_size` is the operator's hard cap: with more running
+  requests, auto rows run the plain path. None (the default): no cap.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.types import MAX_SPEC_TOKENS, Request
+
+MODEL_FREE_PROPOSERS = ("ngram", "prediction")
 
 
 @dataclass
 class SpecConfig:
     num_speculative_tokens: int = 10
-    # More than this many running requests: `auto` rows stop speculating. 0: never.
-    spec_disable_batch_size: int = 8
+    # More than this many running requests: `auto` rows stop speculating. None: no cap; 0: never.
+    spec_disable_batch_size: int | None = None
     adaptive: bool = True
     prior_acceptance: float = 0.6
-    decay: float = 0.8  # weight of history in the acceptance estimate, per verify step
+    decay: float = 0.8  # weight of history in a request's acceptance estimate, per verify step
     probe_interval: int = 8
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= MAX_SPEC_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPEC_TOKENS}]")
-        if self.spec_disable_batch_size < 0:
+        if self.spec_disable_batch_size is not None and self.spec_disable_batch_size < 0:
             raise ValueError("spec_disable_batch_size must be >= 0")
+
+    def auto_allowed(self, num_running: int) -> bool:
+        cap = self.spec_disable_batch_size
+        return cap is None or 0 < cap and num_running <= cap
 
 
 @dataclass
@@ -68,101 +80,91 @@ class PositionCounts:
 
 
 @dataclass
-class AcceptanceState:
-    counts: PositionCounts = field(default_factory=PositionCounts)
-    plain_steps: int = 0
-    probe_backoff: int = 0
+class Shadow:
+    """A draft the row did not verify: its next emitted tokens grade it."""
+
+    token_ids: list[int]
+    matched: int = 0
 
 
 @dataclass
-class StepCostModel:
-    """Step time = a + b * tokens + c * [step speculates], fitted online.
-
-    c is what a speculative step costs beyond its tokens (padded verify
-    attention, the sampling grid, the rejection sampler). Exponentially
-    weighted least squares over recent steps, with a light ridge that keeps b
-    near 2% of a step and c near 0 until the data says otherwise (a batch that
-    never changes size cannot separate a from b on its own).
-    """
-
-    a: float = 1.0
-    b: float = 0.02  # prior: one more token costs 2% of a small step (memory-bound)
-    c: float = 0.0
-    # Seconds the proposer spends per draft position (EMA of the draft phase / k).
-    draft: float = 0.0
-    weight: float = 0.05
-    ridge: float = 1e-3
-    _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
-    _xy: list[float] = field(default_factory=lambda: [0.0] * 3)
-    _mean: float = 0.0
-
-    def observe_draft(self, num_positions: int, seconds: float) -> None:
-        if num_positions > 0:
-            self.draft += self.weight * (seconds / num_positions - self.draft)
-
-    def observe(self, num_tokens: int, seconds: float, is_spec: bool = False) -> None:
-        w, keep = self.weight, 1.0 - self.weight
-        x = (1.0, float(num_tokens), 1.0 if is_spec else 0.0)
-        for i in range(3):
-            self._xy[i] = keep * self._xy[i] + w * x[i] * seconds
-            for j in range(3):
-                self._xx[i][j] = keep * self._xx[i][j] + w * x[i] * x[j]
-        self._mean = seconds if self._mean == 0.0 else keep * self._mean + w * seconds
-        # Ridge toward (free a, b = 2% of a step, c = 0), scaled to the data.
-        prior = (0.0, 0.02 * self._mean, 0.0)
-        strength = (0.0, self.ridge * max(self._xx[1][1], 1.0), self.ridge)
-        matrix = [[self._xx[i][j] + (strength[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
-        rhs = [self._xy[i] + strength[i] * prior[i] for i in range(3)]
-        solution = _solve3(matrix, rhs)
-        if solution is not None and solution[0] > 0 and solution[1] > 0:
-            self.a, self.b, self.c = solution[0], solution[1], max(solution[2], 0.0)
+class AcceptanceState:
+    method: str | None  # the request's proposer
+    counts: PositionCounts = field(default_factory=PositionCounts)
+    plain_steps: int = 0
+    probe_backoff: int = 0
+    shadow: Shadow | None = None
 
 
-def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting for a 3x3 system."""
-    a = [row[:] + [v[i]] for i, row in enumerate(m)]
-    for col in range(3):
-        pivot = max(range(col, 3), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-18:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(col + 1, 3):
-            f = a[r][col] / a[col][col]
-            for cc in range(col, 4):
-                a[r][cc] -= f * a[col][cc]
-    x = [0.0] * 3
-    for r in (2, 1, 0):
-        x[r] = (a[r][3] - sum(a[r][cc] * x[cc] for cc in range(r + 1, 3))) / a[r][r]
-    return x
+@dataclass
+class StepPlan:
+    """What the policy expected of the step it planned (checked against what happened)."""
+
+    expected_tokens: float
+    predicted_seconds: float | None
+
+
+@dataclass
+class TokenCalibration:
+    num_steps: int = 0
+    expected: float = 0.0
+    emitted: float = 0.0
+
+    def add(self, expected: float, emitted: float) -> None:
+        self.num_steps += 1
+        self.expected += expected
+        self.emitted += emitted
 
 
 @dataclass
 class SpecPolicy:
     config: SpecConfig
-    has_proposer: bool
+    proposer: str  # the engine's proposer method: "ngram", "draft_model" or "none"
     cost: StepCostModel = field(default_factory=StepCostModel)
+    tokens: TokenCalibration = field(default_factory=TokenCalibration)
     _state: dict[str, AcceptanceState] = field(default_factory=dict)
-    _recent: PositionCounts = field(default_factory=PositionCounts)  # engine-wide
+    _recent: dict[str, PositionCounts] = field(default_factory=dict)  # by proposer method
 
-    def decide(self, requests: list[Request], caps: list[int], budget: int, num_running: int | None = None) -> list[int]:
-        """Draft tokens per decoding request for this step (same order).
+    @property
+    def has_proposer(self) -> bool:
+        return self.proposer != "none"
+
+    def method_of(self, request: Request) -> str | None:
+        if request.prediction_ids is not None:
+            return "prediction"
+        return self.proposer if self.has_proposer else None
+
+    def can_shadow(self, request: Request) -> bool:
+        return self.method_of(request) in MODEL_FREE_PROPOSERS
+
+    # -- deciding --
+    def decide(
+        self,
+        requests: list[Request],
+        caps: list[int],
+        budget: int,
+        num_running: int | None = None,
+        base: StepShape | None = None,
+    ) -> tuple[list[int], StepPlan]:
+        """Draft tokens per decoding request for this step (same order), and what the step should yield.
 
         `caps[i]` bounds request i's draft by its length limits; all drafts
         together use at most `budget` tokens. `num_running` (default: the
-        decoding requests) is what the threshold compares: every running
-        request, prefilling ones included.
+        decoding requests) is what the operator's cap compares. `base` is the
+        step without drafts (its tokens and context), for the cost model.
         """
         ks = [0] * len(requests)
-        k_maxes = [min(self._k_max(r), cap) for r, cap in zip(requests, caps)]
+        num_rows = len(requests)
+        base = base or StepShape(num_rows)
         if not requests:
-            return ks
-        batch_size = len(requests) if num_running is None else num_running
-        auto_allowed = self.config.spec_disable_batch_size > 0 and batch_size <= self.config.spec_disable_batch_size
+            return ks, StepPlan(0.0, None)
+        k_maxes = [min(self.k_max(r), cap) for r, cap in zip(requests, caps)]
+        auto_allowed = self.config.auto_allowed(num_rows if num_running is None else num_running)
         candidates: list[tuple[float, int]] = []  # (gain, row)
+        auto_rows = []
         for i, request in enumerate(requests):
-            mode = request.params.speculation
-            k_max = k_maxes[i]
-            if k_max == 0 or mode is False or (request.prediction_ids is None and not self.has_proposer):
+            mode, k_max = request.params.speculation, k_maxes[i]
+            if k_max == 0 or mode is False or self.method_of(request) is None:
                 continue
             if mode is True or not self.config.adaptive:
                 if mode is True or auto_allowed:
@@ -170,101 +172,171 @@ class SpecPolicy:
                 continue
             if not auto_allowed:
                 continue
+            auto_rows.append(i)
             gain = 1.0
-            for j, rate in enumerate(self._conditional_rates(self._state_for(request), k_max)):
+            for rate in self._conditional_rates(request, k_max):
                 gain *= rate  # P(draft j+1 accepted) = product of the conditional rates up to it
                 candidates.append((gain, i))
-        # Forced rows spend the budget first.
-        budget -= sum(ks)
+        budget -= sum(ks)  # forced rows spend the budget first
         if budget < 0:
             ks = _shrink(ks, -budget)
             budget = 0
-        if candidates:
-            self._choose_adaptive(requests, k_maxes, candidates, ks, budget)
-        return ks
+        plan, budget = self._choose(requests, candidates, ks, budget, base)
+        for i in auto_rows:
+            if self._probe_due(requests[i], ks[i]) and budget > 0:
+                ks[i] = 1
+                budget -= 1
+        return ks, plan
 
-    def _choose_adaptive(self, requests, k_maxes, candidates, ks, budget) -> None:
+    def _choose(self, requests, candidates, ks, budget, base: StepShape) -> tuple[StepPlan, int]:
+        """Greedy by decreasing gain while a token raises the step's tokens per second."""
+        forced = sum(ks)
+        expected = float(len(requests))  # forced drafts count as gain-free here
+        tokens = base.num_tokens + forced
+        already_spec = forced > 0
+        draft_positions = max((k for k, r in zip(ks, requests) if self.method_of(r) == "draft_model"), default=0)
         cost = self.cost
-        b_eff = cost.b + cost.draft
-        expected = float(len(requests)) + sum(ks)  # forced drafts count as gain-free here
-        plain_seconds = seconds = cost.a + cost.b * (len(requests) + sum(ks))
-        already_spec = any(ks)
-        if not already_spec:
-            seconds += cost.c  # the first draft makes this a speculative step
-        candidates.sort(key=lambda c: -c[0])
+        if cost.is_fitted:
+            seconds = cost.predict(StepShape(tokens, base.num_context, already_spec, draft_positions))
+            spec_cost, draft_cost = cost.spec_cost, cost.draft_forward_cost
+        else:  # nothing measured yet: a memory-bound guess (a token costs 2% of a step)
+            seconds, spec_cost, draft_cost = 1.0, 0.0, 0.0
+        plain_seconds, plain_expected = seconds, expected
         chosen = [0] * len(requests)
-        for gain, i in candidates:
-            if budget <= 0 or gain * seconds <= b_eff * expected:
+        for gain, i in sorted(candidates, key=lambda c: -c[0]):
+            if budget <= 0:
+                break
+            extra = cost.marginal_token_cost(tokens) if cost.is_fitted else 0.02
+            if self.method_of(requests[i]) == "draft_model" and chosen[i] + 1 > draft_positions:
+                extra += draft_cost
+            if gain * seconds <= extra * expected:
                 break
             chosen[i] += 1
+            if self.method_of(requests[i]) == "draft_model":
+                draft_positions = max(draft_positions, chosen[i])
             expected += gain
-            seconds += b_eff
+            seconds += extra
+            tokens += 1
             budget -= 1
-        # All-or-nothing check for the fixed cost: speculate only if the whole
-        # step's throughput beats the plain step's.
-        if not already_spec and any(chosen):
-            plain_expected = float(len(requests))
+        if any(chosen) and not already_spec:
+            seconds += spec_cost  # the first draft makes this a verify step
             if expected / seconds <= plain_expected / plain_seconds:
-                chosen = [0] * len(requests)
-        for i, request in enumerate(requests):
-            if request.params.speculation != "auto" or k_maxes[i] == 0:
-                continue
-            if request.prediction_ids is None and not self.has_proposer:
-                continue
-            state = self._state_for(request)
-            if chosen[i] == 0:
-                state.plain_steps += 1
-                if budget > 0 and state.plain_steps >= self.config.probe_interval << state.probe_backoff:
-                    chosen[i] = 1  # probe: does drafting pay again?
-                    budget -= 1
-            ks[i] = chosen[i]
+                budget += sum(chosen)
+                chosen, expected, seconds = [0] * len(requests), plain_expected, plain_seconds
+        for i, k in enumerate(chosen):
+            if k:
+                ks[i] = k
+        return StepPlan(expected, seconds if cost.is_fitted else None), budget
 
+    def _probe_due(self, request: Request, k: int) -> bool:
+        """Whether a row that stopped drafting, and cannot shadow, should draft one token now."""
+        state = self._state_for(request)
+        if k:
+            state.plain_steps = 0
+            state.shadow = None  # its verify steps grade it now; a shadow would count the same tokens twice
+            return False
+        if self.can_shadow(request):
+            return False
+        state.plain_steps += 1
+        return state.plain_steps >= self.config.probe_interval << state.probe_backoff
+
+    def wants_shadow(self, request: Request, k: int) -> int:
+        """Shadow draft length for a row that runs plain this step (0: none)."""
+        if k or request.params.speculation is False or not self.can_shadow(request):
+            return 0
+        state = self._state_for(request)
+        return 0 if state.shadow is not None else self.k_max(request)
+
+    # -- learning --
     def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """Record a verify step of `request` (drafts it actually carried)."""
+        """Record a verify step of `request` (drafts it actually carried), or a graded shadow."""
         if num_drafted == 0:
             return
         state = self._state_for(request)
         state.counts.add(num_drafted, num_accepted, self.config.decay)
-        self._recent.add(num_drafted, num_accepted, keep=0.98)  # the last ~50 verify steps
+        method = self.method_of(request)
+        if method is not None:
+            self._recent.setdefault(method, PositionCounts()).add(num_drafted, num_accepted, keep=0.98)
         if state.plain_steps:  # this was a probe
             state.probe_backoff = 0 if num_accepted else min(state.probe_backoff + 1, 3)
         state.plain_steps = 0
 
+    def observe_shadow(self, request: Request, draft_ids: list[int], emitted: list[int]) -> None:
+        """Grade the row's pending shadow draft (starting `draft_ids` if none) with its emitted tokens."""
+        state = self._state_for(request)
+        if state.shadow is None and draft_ids:
+            state.shadow = Shadow(list(draft_ids))
+        shadow = state.shadow
+        for token in emitted:
+            if shadow is None:
+                break
+            if token == shadow.token_ids[shadow.matched]:
+                shadow.matched += 1
+                if shadow.matched < len(shadow.token_ids):
+                    continue
+            state.shadow = None
+            self.observe(request, len(shadow.token_ids), shadow.matched)
+            shadow = None
+
+    def observe_step(self, shape: StepShape, seconds: float, plan: StepPlan | None, emitted: int) -> None:
+        """A finished step: its measured time teaches the cost model; its tokens check the plan."""
+        if plan is not None and plan.expected_tokens:
+            self.tokens.add(plan.expected_tokens, emitted)
+        self.cost.observe(shape, seconds)
+
     def free(self, request_id: str) -> None:
         self._state.pop(request_id, None)
 
+    # -- estimates --
     def acceptance(self, request_id: str) -> float | None:
         """Estimated acceptance of the request's first draft token."""
         state = self._state.get(request_id)
-        return self._conditional_rates(state, 1)[0] if state else None
+        return None if state is None else self._rates(state, 1)[0]
 
-    def _conditional_rates(self, state: AcceptanceState, k: int) -> list[float]:
+    def _conditional_rates(self, request: Request, k: int) -> list[float]:
+        return self._rates(self._state_for(request), k)
+
+    def _rates(self, state: AcceptanceState, k: int) -> list[float]:
         """P(draft j accepted | drafts before j accepted), j < k.
 
-        The request's own decayed counts, shrunk toward the engine-wide rate
-        at that position (itself shrunk toward the configured prior) with a
-        weight of two verify steps: a new request starts from what drafting
-        has recently earned, and its own history takes over quickly. For
-        prompt lookup the later positions run high (a copy that started tends
-        to continue), which a single per-token rate would miss.
+        The request's own decayed counts, shrunk toward the recent rate at that
+        position of requests with the same proposer (itself shrunk toward the
+        configured prior) with a weight of two verify steps: a new request
+        starts from what its peers recently earned, and its own history takes
+        over quickly. For prompt lookup the later positions run high (a copy
+        that started tends to continue), which a single per-token rate would miss.
         """
         prior, weight = self.config.prior_acceptance, 2.0
+        recent = self._recent.get(state.method) if state.method else None
         rates = []
         for j in range(k):
-            fleet = (self._recent.accepted[j] + weight * prior) / (self._recent.reached[j] + weight)
-            own = (state.counts.accepted[j] + weight * fleet) / (state.counts.reached[j] + weight)
-            rates.append(own)
+            peers = prior if recent is None else (recent.accepted[j] + weight * prior) / (recent.reached[j] + weight)
+            rates.append((state.counts.accepted[j] + weight * peers) / (state.counts.reached[j] + weight))
         return rates
 
     def _state_for(self, request: Request) -> AcceptanceState:
         state = self._state.get(request.request_id)
         if state is None:
-            state = self._state[request.request_id] = AcceptanceState()
+            state = self._state[request.request_id] = AcceptanceState(self.method_of(request))
         return state
 
-    def _k_max(self, request: Request) -> int:
+    def k_max(self, request: Request) -> int:
         k = request.params.num_speculative_tokens
         return self.config.num_speculative_tokens if k is None else k
+
+    def summary(self) -> dict:
+        """The policy's own view, for /v1/speculation."""
+        t = self.tokens
+        return {
+            "cost_model": self.cost.summary(),
+            "expected_tokens_per_step": round(t.expected / t.num_steps, 3) if t.num_steps else None,
+            "emitted_tokens_per_step": round(t.emitted / t.num_steps, 3) if t.num_steps else None,
+            "recent_acceptance_by_proposer": {
+                method: round(counts.accepted[0] / counts.reached[0], 3)
+                for method, counts in self._recent.items()
+                if counts.reached[0] > 0
+            },
+        }
 
 
 def _shrink(ks: list[int], excess: int) -> list[int]:

@@ -15,7 +15,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler.policy import SpecConfig, SpecPolicy
+from scheduler.cost_model import StepShape
+from scheduler.policy import SpecConfig, SpecPolicy, StepPlan
 from scheduler.types import (
     Batch,
     FinishReason,
@@ -51,10 +52,22 @@ class SchedulerConfig:
             raise ValueError("max_queue must be >= 0")
 
 
+@dataclass
+class StepCheck:
+    """The policy's plan for the last step against what it did."""
+
+    predicted_seconds: float | None  # None before the cost model has data
+    expected_tokens: float  # by the decode rows
+    emitted_tokens: int
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, has_proposer: bool):
+    def __init__(self, config: SchedulerConfig, proposer: str = "ngram"):
+        """`proposer`: the runner's proposer method ("ngram", "draft_model" or "none")."""
         self.config = config
-        self.policy = SpecPolicy(config.spec, has_proposer)
+        self.policy = SpecPolicy(config.spec, proposer)
+        self.last_plan: StepPlan | None = None
+        self.last_check: StepCheck | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(config.max_num_seqs))
@@ -136,7 +149,11 @@ class Scheduler:
             budget -= len(prefills[-1].token_ids)
 
         caps = [self._draft_cap(r) for r in decoding]
-        ks = self.policy.decide(decoding, caps, budget, num_running=len(self.running)) if decoding else []
+        base = StepShape(
+            num_tokens=len(decoding) + sum(len(p.token_ids) for p in prefills),
+            num_context=sum(r.num_computed_tokens + 1 for r in decoding) + sum(p.start_pos + len(p.token_ids) for p in prefills),
+        )
+        ks, self.last_plan = self.policy.decide(decoding, caps, budget, len(self.running), base)
         for request, k in zip(decoding, ks):
             rows.append(
                 ScheduledRow(
@@ -145,6 +162,7 @@ class Scheduler:
                     start_pos=request.num_computed_tokens,
                     sample=True,
                     num_spec_tokens=k,
+                    num_shadow_tokens=min(self.policy.wants_shadow(request, k), self._draft_cap(request) + 1),
                 )
             )
         rows += prefills
@@ -166,7 +184,11 @@ class Scheduler:
         return max(0, request.params.max_tokens - len(request.output_ids) - 1)
 
     # -- update --
-    def update(self, batch: Batch, output: StepOutput) -> list[RequestOutput]:
+    def update(self, batch: Batch, output: StepOutput, step_seconds: float | None = None) -> list[RequestOutput]:
+        """Apply a step's outputs. With `step_seconds` (a whole step, as scheduled) the
+        policy also learns the step's cost and checks its plan."""
+        if step_seconds is not None:
+            self._observe_step(batch, output, step_seconds)
         results = []
         for row, out in zip(batch.rows, output.rows):
             request = row.request
@@ -181,12 +203,32 @@ class Scheduler:
             if not row.sample:
                 continue
             self._count_speculation(request, out)
+            if request.params.speculation == "auto":
+                self.policy.observe_shadow(request, out.shadow_ids or [], out.token_ids)
             new_ids, stop_id = self._append(request, out.token_ids)
             n = len(new_ids)
             logprobs = out.logprobs[:n] if out.logprobs is not None else None
             top = out.top_logprobs[:n] if out.top_logprobs is not None else None
             results.append(self._output(request, new_ids, logprobs, top, request.is_finished, stop_id))
         return results
+
+    def _observe_step(self, batch: Batch, output: StepOutput, seconds: float) -> None:
+        drafts = [out.num_draft_tokens for out in output.rows]
+        draft_model = [out.num_draft_tokens for out in output.rows if out.method == "draft_model"]
+        shape = StepShape(
+            num_tokens=sum(len(row.token_ids) for row in batch.rows) + sum(drafts),
+            num_context=sum(row.start_pos + len(row.token_ids) + k for row, k in zip(batch.rows, drafts)),
+            is_spec=any(drafts),
+            num_draft_forwards=max(draft_model, default=0),
+        )
+        emitted = sum(
+            len(out.token_ids)
+            for row, out in zip(batch.rows, output.rows)
+            if row.start_pos >= row.request.num_prompt_tokens  # decode rows: what the plan covered
+        )
+        plan = self.last_plan
+        self.last_check = StepCheck(plan.predicted_seconds if plan else None, plan.expected_tokens if plan else 0.0, emitted)
+        self.policy.observe_step(shape, seconds, plan, emitted)
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
         """End one request with an error (engine fault attributed to it)."""

@@ -181,6 +181,10 @@ class ScheduledRow:
     start_pos: int
     sample: bool
     num_spec_tokens: int = 0
+    # > 0: a row that runs plain asks a model-free proposer for this many tokens
+    # anyway, returned unverified (`RowOutput.shadow_ids`) so the policy can
+    # learn the row's acceptance at no verify cost.
+    num_shadow_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -222,6 +226,8 @@ class RowOutput:
     # "prediction"; None when the row did not speculate.
     method: str | None = None
     error: str | None = None
+    # The shadow draft asked for by `ScheduledRow.num_shadow_tokens` (not verified).
+    shadow_ids: list[int] | None = None
 
 
 @dataclass
@@ -292,6 +298,12 @@ class StepStats:
     # accepted_per_position[i]: rows whose draft token i+1 was accepted.
     accepted_per_position: list[int] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    # The policy's plan for the step, checked against what it did: seconds the
+    # cost model predicted (None before it has data) and tokens the decode rows
+    # were expected to emit; and what they emitted.
+    predicted_seconds: float | None = None
+    expected_tokens: float = 0.0
+    emitted_tokens: int = 0
     # For each row that emitted n > 0 tokens after a gap of g seconds since its
     # previous emission: (n, g). Per-token ITL records n samples of g / n.
     token_gaps: list[tuple[int, float]] = field(default_factory=list)

@@ -79,7 +79,7 @@ def build_components(settings: Settings) -> Components:
         eos_token_ids=loaded.eos_token_ids,
         spec=SpecConfig(
             num_speculative_tokens=settings.speculative_tokens,
-            spec_disable_batch_size=settings.spec_threshold(loaded.device.type),
+            spec_disable_batch_size=settings.spec_disable_batch_size,
             adaptive=settings.spec_adaptive,
         ),
     )

@@ -92,16 +92,11 @@ class Settings(BaseSettings):
         uses_draft_model = self.draft == "draft_model" or (self.draft is None and self.draft_model)
         return 4 if uses_draft_model else 10
 
-    def spec_threshold(self, device_type: str) -> int:
-        """--spec-disable-batch-size, resolved for the device the model runs on."""
-        if self.spec_disable_batch_size is not None:
-            return self.spec_disable_batch_size
-        return 2 if device_type == "cpu" else 8
     spec_disable_batch_size: int | None = Field(
         None,
         ge=0,
-        description="Requests with speculation 'auto' stop drafting while more than N run; 0 disables it "
-        "(default: 8 on GPUs; 2 on CPUs, where the serving benchmark's crossover is between 2 and 4).",
+        description="Operator's hard cap: requests with speculation 'auto' stop drafting while more than N run; "
+        "0 disables auto speculation. Default: no cap, the cost model decides per request and step.",
     )
     spec_adaptive: bool = Field(True, description="Adapt each request's draft length to its own acceptance history.")
 

@@ -295,7 +295,7 @@ class SpeculationInfo(OpenAIResponse):
 
     proposer: str
     num_speculative_tokens: int
-    spec_disable_batch_size: int
+    spec_disable_batch_size: int | None  # the operator's cap; None: none
     adaptive: bool
     spec_enabled: bool  # the last engine step carried drafts
     acceptance_rate: float | None  # accepted / draft tokens, since start
@@ -306,3 +306,7 @@ class SpeculationInfo(OpenAIResponse):
     requests_running: int
     requests_waiting: int
     kv_cache_usage: float
+    # The policy at work: the learned step-cost model (with its calibration:
+    # predicted vs measured step time), tokens per step it expected vs got,
+    # and the recent first-draft acceptance by proposer.
+    policy: dict

@@ -85,7 +85,7 @@ async def speculation(request: Request) -> SpeculationInfo:
     engine = state.engine
     if engine is None:
         raise ServiceUnavailableError("the model is still loading", code="model_loading")
-    spec = engine.scheduler.policy.config
+    spec = engine.spec_config
     totals = engine.totals
     return SpeculationInfo(
         proposer=engine.executor.proposer_name,
@@ -101,6 +101,7 @@ async def speculation(request: Request) -> SpeculationInfo:
         requests_running=engine.num_running,
         requests_waiting=engine.num_waiting,
         kv_cache_usage=engine.kv_usage,
+        policy=engine.policy_summary(),
     )
 
 

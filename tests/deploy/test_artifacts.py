@@ -46,6 +46,9 @@ DESIGN_METRICS = {
     "specd_e2e_request_latency_seconds", "specd_request_queue_seconds", "specd_step_seconds",
     "specd_batch_size", "specd_requests_running", "specd_requests_waiting",
     "specd_kv_cache_usage_ratio", "specd_spec_enabled",
+    "specd_cost_model_predicted_seconds_total", "specd_cost_model_observed_seconds_total",
+    "specd_cost_model_prediction_ratio", "specd_spec_policy_expected_tokens_total",
+    "specd_spec_policy_emitted_tokens_total",
 }  # fmt: skip
 METRIC_REF = re.compile(r"\b(specd_\w+)")
 SELECTOR = re.compile(r"\b(specd_\w+)(\{[^}]*\})?(\[[^\]]*\])?")

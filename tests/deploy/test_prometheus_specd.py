@@ -43,6 +43,11 @@ DESIGN_METRICS = {
     "specd_requests_waiting": "gauge",
     "specd_kv_cache_usage_ratio": "gauge",
     "specd_spec_enabled": "gauge",
+    "specd_cost_model_predicted_seconds": "counter",
+    "specd_cost_model_observed_seconds": "counter",
+    "specd_cost_model_prediction_ratio": "histogram",
+    "specd_spec_policy_expected_tokens": "counter",
+    "specd_spec_policy_emitted_tokens": "counter",
 }
 PROMPT = "A B C D E F G A B C D E F G A B C D"
 

@@ -159,3 +159,22 @@ def test_smollm2_greedy_matches_hf_generate(smollm2):
     assert sum(c.num_draft_tokens for c in spec) > 0
     (alone,) = run_offline(runner, config, requests("one", True)[:1])
     assert alone.token_ids == expected[0]
+
+
+def test_a_failing_metrics_observer_never_stops_the_engine(tiny_llama_dir):
+    target, runner = make_runner(tiny_llama_dir, "ngram")
+    config = sched_config(target)
+
+    def broken(stats):
+        raise ValueError("observer bug")
+
+    async def main():
+        engine = AsyncEngine(runner, config, observer=broken, inline=True)
+        await engine.start()
+        try:
+            return await asyncio.wait_for(collect(engine, greedy_requests(target.tokenizer, "o", n=8)[0]), 30)
+        finally:
+            await engine.stop(timeout=1)
+
+    result = asyncio.run(main())
+    assert result.finish_reason is FinishReason.LENGTH and len(result.token_ids) == 8

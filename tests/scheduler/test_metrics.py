@@ -35,6 +35,11 @@ DESIGN_METRICS = {
     "specd_requests_waiting": ("gauge", set()),
     "specd_kv_cache_usage_ratio": ("gauge", set()),
     "specd_spec_enabled": ("gauge", set()),
+    "specd_cost_model_predicted_seconds_total": ("counter", set()),
+    "specd_cost_model_observed_seconds_total": ("counter", set()),
+    "specd_cost_model_prediction_ratio": ("histogram", set()),
+    "specd_spec_policy_expected_tokens_total": ("counter", set()),
+    "specd_spec_policy_emitted_tokens_total": ("counter", set()),
 }
 
 

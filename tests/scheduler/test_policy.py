@@ -1,27 +1,48 @@
-"""Speculation policy: threshold, per-request modes, adaptive K that recovers."""
+"""Speculation policy: per-request `auto` from acceptance and a learned step cost;
+modes, the operator's cap, shadows and probes that bring K back."""
 
 from __future__ import annotations
 
-import pytest
-
-from scheduler.policy import SpecConfig, SpecPolicy, StepCostModel
-from scheduler.types import Request, SamplingParams
+from scheduler.cost_model import StepCostModel, StepShape
+from scheduler.policy import SpecConfig, SpecPolicy
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.types import Batch, Request, RowOutput, SamplingParams, StepOutput
 
 
 def req(rid: str, **params) -> Request:
     return Request(rid, [1, 2, 3], SamplingParams(max_tokens=100, **params))
 
 
+def trained(cost_fn, tokens=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96), spec=(False, True), drafts=(0,)) -> StepCostModel:
+    """A cost model that has watched steps of every shape cost exactly `cost_fn(shape)`."""
+    model = StepCostModel()
+    for _ in range(30):
+        for t in tokens:
+            for s in spec:
+                for d in drafts:
+                    shape = StepShape(t, 0, s, d)
+                    model.observe(shape, cost_fn(shape))
+    return model
+
+
+def linear(a: float, b: float, c: float = 0.0, draft: float = 0.0):
+    return lambda s: a + b * s.num_tokens + (c if s.is_spec else 0.0) + draft * s.num_draft_forwards
+
+
+def decide(policy: SpecPolicy, requests: list[Request], cap: int = 16, budget: int = 256, running=None) -> list[int]:
+    ks, _ = policy.decide(requests, [cap] * len(requests), budget, running)
+    return ks
+
+
 def run(policy: SpecPolicy, request: Request, steps: int, acceptance: float) -> list[int]:
-    """Drive the policy with a proposer whose drafts are accepted with probability `acceptance`
+    """Drive the policy with drafts accepted with probability `acceptance`
     (deterministically: the accepted prefix is the expected one, rounded)."""
     ks = []
     for _ in range(steps):
-        (k,) = policy.decide([request], [16], budget=64)
+        (k,) = decide(policy, [request])
         ks.append(k)
         if k:
-            accepted = 0
-            p = 1.0
+            accepted, p = 0, 1.0
             for _ in range(k):
                 p *= acceptance
                 if p < 0.5:
@@ -31,8 +52,8 @@ def run(policy: SpecPolicy, request: Request, steps: int, acceptance: float) -> 
     return ks
 
 
-def test_adaptive_k_drops_to_zero_and_recovers():
-    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8, probe_interval=4), has_proposer=True)
+def test_a_draft_model_row_drops_to_zero_and_probes_back():
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8, probe_interval=4), "draft_model")
     r = req("a")
     ks = run(policy, r, 40, acceptance=0.0)
     assert ks[0] > 0  # starts optimistic (prior)
@@ -42,84 +63,167 @@ def test_adaptive_k_drops_to_zero_and_recovers():
     assert ks[-1] >= 6  # the probes saw acceptance again: long drafts are back
 
 
-def test_cost_model_weighs_batch_step_cost():
+def test_an_ngram_row_learns_from_shadows_without_probing():
+    """A row that stopped drafting is graded by its shadow drafts: no probe costs
+    a verify, and when the row starts copying its drafts come back within steps."""
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(0.05, 0.002)))
+    r = req("s")
+    for _ in range(10):
+        policy.observe(r, 8, 0)  # drafts never accepted
+    ks = [decide(policy, [r])[0] for _ in range(20)]
+    assert ks == [0] * 20  # no probes: shadows will tell
+    assert policy.wants_shadow(r, 0) == 8
+    # It starts quoting: each step's emitted token matches its shadow draft.
+    steps = 0
+    while decide(policy, [r])[0] == 0:
+        policy.observe_shadow(r, [7] * 8, [7])
+        steps += 1
+        assert steps < 20
+    assert steps <= 10
+
+
+def test_cost_model_weighs_the_steps_real_cost():
     """The same acceptance buys long drafts when verify is cheap and none when it is expensive."""
-    cheap = SpecPolicy(SpecConfig(num_speculative_tokens=8), has_proposer=True, cost=StepCostModel(a=1.0, b=0.01))
-    costly = SpecPolicy(SpecConfig(num_speculative_tokens=8), has_proposer=True, cost=StepCostModel(a=1.0, b=5.0))
+    cheap = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(1.0, 0.01)))
+    costly = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(1.0, 5.0)))
     batch = [req(f"r{i}") for i in range(4)]
     for policy in (cheap, costly):
         for r in batch:
             policy.observe(r, 4, 2)  # alpha ~ 0.6
-    assert sum(cheap.decide(batch, [16] * 4, budget=64)) >= 8
-    assert sum(costly.decide(batch, [16] * 4, budget=64)) == 0
+    assert sum(decide(cheap, batch)) >= 8
+    assert sum(decide(costly, batch)) == 0
     # A slow draft model makes every draft position cost more than it returns.
-    slow_draft = SpecPolicy(SpecConfig(num_speculative_tokens=8), has_proposer=True, cost=StepCostModel(a=1.0, b=0.01))
-    for _ in range(200):
-        slow_draft.cost.observe_draft(4, 4 * 0.5)
+    slow = trained(linear(1.0, 0.01, draft=0.5), drafts=(0, 1, 2, 4))
+    slow_draft = SpecPolicy(SpecConfig(num_speculative_tokens=8), "draft_model", cost=slow)
     for r in batch:
         slow_draft.observe(r, 4, 2)
-    assert sum(slow_draft.decide(batch, [16] * 4, budget=64)) == 0
-
-
-def test_cost_model_fits_tokens_and_the_fixed_cost_of_speculating():
-    cost = StepCostModel()
-    for _ in range(200):
-        for tokens, is_spec in ((1, False), (4, True), (8, False), (16, True)):
-            cost.observe(tokens, 0.010 + 0.002 * tokens + (0.003 if is_spec else 0.0), is_spec)
-    assert cost.a == pytest.approx(0.010, rel=0.02)
-    assert cost.b == pytest.approx(0.002, rel=0.02)
-    assert cost.c == pytest.approx(0.003, rel=0.05)
-    # A batch that never changes size still gives a usable (prior-shaped) model.
-    flat = StepCostModel()
-    for _ in range(100):
-        flat.observe(8, 0.040)
-    assert flat.a > 0 and 0 < flat.b < 0.040 / 8 and flat.a + 8 * flat.b == pytest.approx(0.040, rel=0.01)
+    assert sum(decide(slow_draft, batch)) == 0
 
 
 def test_fixed_spec_cost_keeps_weak_drafts_off():
     """Drafts that pay per token can still lose to the fixed cost of a verify step."""
     batch = [req(f"r{i}") for i in range(8)]
-    policy = SpecPolicy(SpecConfig(num_speculative_tokens=4), has_proposer=True,
-                        cost=StepCostModel(a=0.040, b=0.001, c=0.0))  # fmt: skip
-    for r in batch:
-        policy.observe(r, 4, 1)
-        for _ in range(3):
-            policy.observe(r, 4, 0)
-    assert 0.1 < policy.acceptance("r0") < 0.3
-    assert sum(policy.decide(batch, [16] * 8, budget=64)) > 0
-    policy.cost.c = 0.006
-    assert sum(policy.decide(batch, [16] * 8, budget=64)) == 0
+    policies = {c: SpecPolicy(SpecConfig(num_speculative_tokens=4), "draft_model", cost=trained(linear(0.040, 0.001, c)))
+                for c in (0.0, 0.012)}  # fmt: skip
+    for policy in policies.values():
+        for r in batch:
+            policy.observe(r, 4, 1)
+            for _ in range(3):
+                policy.observe(r, 4, 0)
+    assert 0.1 < policies[0.0].acceptance("r0") < 0.3
+    assert sum(decide(policies[0.0], batch)) > 0
+    assert sum(decide(policies[0.012], batch)) == 0
 
 
-def test_modes_threshold_and_no_proposer():
-    policy = SpecPolicy(SpecConfig(num_speculative_tokens=4, spec_disable_batch_size=1), has_proposer=True)
-    assert policy.decide([req("a")], [16], 64) == [4]
+def test_modes_cap_and_no_proposer():
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=4, spec_disable_batch_size=1), "ngram")
+    assert decide(policy, [req("a")]) == [4]
     two = [req("b"), req("c", speculation=True, num_speculative_tokens=2)]
-    assert policy.decide(two, [16, 16], 64) == [0, 2]
-    assert policy.decide([req("d", speculation=False)], [16], 64) == [0]
-    assert policy.decide([req("e")], [1], 64) == [1]  # length cap
-    off = SpecPolicy(SpecConfig(spec_disable_batch_size=0), has_proposer=True)
-    assert off.decide([req("f")], [16], 64) == [0]
-    none = SpecPolicy(SpecConfig(), has_proposer=False)
-    assert none.decide([req("g")], [16], 64) == [0]
+    assert decide(policy, two) == [0, 2]  # 2 running > cap 1: auto runs plain, forced still drafts
+    assert decide(policy, [req("a2")], running=2) == [0]  # the cap counts running requests, not rows
+    assert decide(policy, [req("d", speculation=False)]) == [0]
+    assert decide(policy, [req("e")], cap=1) == [1]  # length cap
+    off = SpecPolicy(SpecConfig(spec_disable_batch_size=0), "ngram")
+    assert decide(off, [req("f")]) == [0]
+    none = SpecPolicy(SpecConfig(), "none")
+    assert decide(none, [req("g")]) == [0]
     with_prediction = req("h")
     with_prediction.prediction_ids = [5, 6, 7]
-    assert none.decide([with_prediction], [16], 64)[0] > 0
+    assert decide(none, [with_prediction])[0] > 0
 
 
 def test_budget_bounds_drafts():
-    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), has_proposer=True)
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram")
     forced = [req(f"r{i}", speculation=True) for i in range(3)]
-    assert sum(policy.decide(forced, [16] * 3, budget=10)) == 10
+    assert sum(decide(policy, forced, budget=10)) == 10
 
 
 def test_copy_runs_earn_long_drafts():
     """Prompt lookup on a copy task: the first draft is a coin flip, but once a
     copy starts it continues. Per-position rates see that; one per-token rate
     (0.4 ** k) would stop at a few tokens."""
-    policy = SpecPolicy(SpecConfig(num_speculative_tokens=10), has_proposer=True, cost=StepCostModel(a=1.0, b=0.01))
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=10), "ngram", cost=trained(linear(1.0, 0.01)))
     r = req("copy")
     for step in range(40):
         policy.observe(r, 10, 10 if step % 5 < 2 else 0)  # 40%: all ten accepted; 60%: none
-    (k,) = policy.decide([r], [16], budget=64)
-    assert k == 10
+    assert decide(policy, [r]) == [10]
+
+
+def test_a_new_request_starts_from_its_peers_acceptance():
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(0.05, 0.005)))
+    for i in range(30):
+        policy.observe(req(f"old{i}"), 8, 0)  # every ngram request so far: nothing accepted
+    assert decide(policy, [req("new")]) == [0]
+    predicted = req("pred")
+    predicted.prediction_ids = [1, 2, 3]  # another proposer: its own (untouched) peers
+    assert decide(policy, [predicted])[0] > 0
+
+
+# -- through the scheduler, with a fake runner -------------------------------------
+
+COPY, CREATIVE = 7, 8
+
+
+def fake_step(batch: Batch) -> StepOutput:
+    """"copy" rows accept every draft and emit what their shadows predicted;
+    "creative" rows accept nothing and never match a shadow."""
+    rows = []
+    for row in batch.rows:
+        copy = row.request_id.startswith("copy")
+        if not row.sample:
+            rows.append(RowOutput(row.request_id))
+            continue
+        k = row.num_spec_tokens if copy else 0
+        shadow = ([COPY] if copy else [CREATIVE + 1]) * row.num_shadow_tokens or None
+        rows.append(RowOutput(row.request_id, [COPY if copy else CREATIVE] * (k + 1), num_draft_tokens=row.num_spec_tokens,
+                              num_accepted_tokens=k, method="ngram" if row.num_spec_tokens else None,
+                              shadow_ids=shadow))  # fmt: skip
+    return StepOutput(rows=rows)
+
+
+def step_seconds(batch: Batch, output: StepOutput) -> float:
+    """A memory-bound step: 50 ms plus 1 ms per token fed."""
+    tokens = sum(len(r.token_ids) for r in batch.rows) + sum(o.num_draft_tokens for o in output.rows)
+    return 0.050 + 0.001 * tokens
+
+
+def test_accepting_rows_draft_and_the_others_do_not_at_every_batch_size():
+    for size in (2, 4, 8, 16):
+        config = SchedulerConfig(max_num_seqs=size, max_model_len=4096, max_num_batched_tokens=1024,
+                                 spec=SpecConfig(num_speculative_tokens=8))  # fmt: skip
+        s = Scheduler(config, proposer="ngram")
+        for i in range(size):
+            kind = "copy" if i % 2 == 0 else "creative"
+            s.add(Request(f"{kind}{i}", [1, 2, 3], SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)))
+        for step in range(60):
+            batch, _ = s.schedule()
+            output = fake_step(batch)
+            s.update(batch, output, step_seconds(batch, output))
+        ks = {row.request_id: row.num_spec_tokens for row in s.schedule()[0].rows}
+        assert all(k >= 4 for rid, k in ks.items() if rid.startswith("copy")), (size, ks)  # long drafts
+        assert all(k == 0 for rid, k in ks.items() if rid.startswith("creative")), (size, ks)
+        check = s.last_check
+        assert check is not None and check.predicted_seconds is not None
+
+
+def test_the_operators_cap_is_obeyed_exactly():
+    config = SchedulerConfig(max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=1024,
+                             spec=SpecConfig(num_speculative_tokens=4, spec_disable_batch_size=3))  # fmt: skip
+    s = Scheduler(config, proposer="ngram")
+    for i in range(5):
+        s.add(Request(f"copy{i}", [1, 2, 3], SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)))
+    s.add(Request("forced", [1, 2, 3], SamplingParams(max_tokens=3000, ignore_eos=True, speculation=True)))
+    for _ in range(10):  # 6 running > 3: auto rows never draft, the forced row always does
+        batch, _ = s.schedule()
+        ks = {r.request_id: r.num_spec_tokens for r in batch.rows}
+        if all(r.request.output_ids for r in batch.rows):
+            assert ks.pop("forced") == 4 and set(ks.values()) == {0}
+        output = fake_step(batch)
+        s.update(batch, output, step_seconds(batch, output))
+    for rid in ("copy3", "copy4", "forced"):
+        s.abort(rid)
+    for _ in range(10):  # 3 running: at the cap, the copy rows draft
+        batch, _ = s.schedule()
+        output = fake_step(batch)
+        s.update(batch, output, step_seconds(batch, output))
+    assert len(batch.rows) == 3 and all(r.num_spec_tokens == 4 for r in batch.rows)

@@ -46,7 +46,7 @@ def fake_step(batch: Batch, token: int = 7, accept: int = 0) -> StepOutput:
 def scheduler(**kw) -> Scheduler:
     defaults = dict(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16, max_queue=4, eos_token_ids=[EOS])
     defaults.update(kw)
-    return Scheduler(SchedulerConfig(**defaults), has_proposer=True)
+    return Scheduler(SchedulerConfig(**defaults), proposer="ngram")
 
 
 def test_fifo_admission_and_slots():

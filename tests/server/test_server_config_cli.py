@@ -125,7 +125,7 @@ def test_speculative_tokens_default_depends_on_the_proposer():
     assert Settings(draft_model="d", num_speculative_tokens=6).speculative_tokens == 6
 
 
-def test_spec_threshold_default_depends_on_the_device():
-    assert Settings().spec_threshold("cpu") == 2  # serving benchmark crossover on CPU: between 2 and 4
-    assert Settings().spec_threshold("cuda") == 8
-    assert Settings(spec_disable_batch_size=0).spec_threshold("cuda") == 0
+def test_spec_cap_defaults_to_none_and_is_taken_as_given():
+    assert Settings().spec_disable_batch_size is None  # no cap: the cost model decides per request
+    assert Settings(spec_disable_batch_size=0).spec_disable_batch_size == 0
+    assert Settings(spec_disable_batch_size=5).spec_disable_batch_size == 5

@@ -1,0 +1,66 @@
+"""The step-cost model learns a cost function it is never told, from steps alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduler.cost_model import StepCostModel, StepShape
+
+
+def truth(s: StepShape) -> float:
+    """Concave in tokens (GEMMs get more efficient), linear in keys read, fixed verify and draft costs."""
+    return 0.040 + 0.004 * s.num_tokens**0.7 + 0.002 * s.num_context / 1000 + 0.003 * s.is_spec + 0.006 * s.num_draft_forwards
+
+
+def random_step(rng: random.Random) -> StepShape:
+    rows = rng.randint(1, 16)
+    spec = rng.random() < 0.5
+    drafts = rng.randint(0, 4 * rows) if spec else 0
+    prefill = rng.choice([0, 0, 0, 128, 512])
+    return StepShape(rows + drafts + prefill, rows * rng.randint(100, 1500), spec and drafts > 0, rng.choice([0, 0, 2, 4]) if drafts else 0)
+
+
+def test_recovers_a_synthetic_cost_function():
+    rng = random.Random(0)
+    model = StepCostModel()
+    for _ in range(800):
+        shape = random_step(rng)
+        model.observe(shape, truth(shape) * (1 + rng.gauss(0, 0.03)))  # 3% measurement noise
+    errors = []
+    for _ in range(300):
+        shape = random_step(rng)
+        errors.append(abs(model.predict(shape) - truth(shape)) / truth(shape))
+    assert sum(errors) / len(errors) < 0.05
+    # Calibration, measured before each step was learned from: about the noise.
+    assert model.calibration.relative_error < 0.06
+    assert model.calibration.predicted_seconds / model.calibration.observed_seconds == pytest.approx(1.0, abs=0.03)
+    # The slope the policy prices drafts with: close to the true marginal cost where steps were seen.
+    for tokens in (4, 16, 64):
+        true_marginal = truth(StepShape(tokens + 1)) - truth(StepShape(tokens))
+        assert model.marginal_token_cost(tokens) == pytest.approx(true_marginal, rel=0.6, abs=2e-4)
+    assert model.draft_forward_cost == pytest.approx(0.006, rel=0.25)
+
+
+def test_follows_a_machine_that_changes_speed():
+    """Another process takes half the CPU: predictions catch up within a few dozen steps."""
+    rng = random.Random(1)
+    model = StepCostModel()
+    for _ in range(300):
+        shape = random_step(rng)
+        model.observe(shape, truth(shape))
+    for _ in range(150):
+        shape = random_step(rng)
+        model.observe(shape, 2 * truth(shape))
+    shape = StepShape(16, 8000)
+    assert model.predict(shape) == pytest.approx(2 * truth(shape), rel=0.1)
+
+
+def test_a_batch_that_never_changes_size_still_gives_a_sane_model():
+    model = StepCostModel()
+    for _ in range(100):
+        model.observe(StepShape(8, 2000), 0.040)
+    assert model.predict(StepShape(8, 2000)) == pytest.approx(0.040, rel=0.02)
+    assert 0 <= model.marginal_token_cost(8) < 0.040 / 8
+    assert model.predict(StepShape(64, 2000)) > model.predict(StepShape(8, 2000)) * 0.9
