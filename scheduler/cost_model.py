@@ -24,11 +24,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 KNOTS = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], dtype=np.float64)
-_NUM_KNOTS = len(KNOTS)
-_CTX, _SPEC, _DRAFT = _NUM_KNOTS, _NUM_KNOTS + 1, _NUM_KNOTS + 2
-_NUM_FEATURES = _NUM_KNOTS + 3
+# Parameters: f's level at T = 1, f's slope on each segment between knots (the
+# last one extrapolates), then the per-thousand-keys, verify and draft-forward costs.
+_NUM_SLOPES = len(KNOTS) - 1
+_LEVEL = 0
+_SLOPES = slice(1, 1 + _NUM_SLOPES)
+_CTX, _SPEC, _DRAFT = 1 + _NUM_SLOPES, 2 + _NUM_SLOPES, 3 + _NUM_SLOPES
+_NUM_FEATURES = 4 + _NUM_SLOPES
 _CTX_SCALE = 1e-3  # C is fitted per thousand keys, so all features have similar sizes
-
+_WIDTHS = np.diff(KNOTS)
 
 @dataclass(frozen=True)
 class StepShape:
@@ -58,10 +62,11 @@ class Calibration:
 def _features(shape: StepShape) -> np.ndarray:
     x = np.zeros(_NUM_FEATURES)
     t = float(max(shape.num_tokens, 1))
-    k = int(np.searchsorted(KNOTS, t, side="right")) - 1
-    k = min(max(k, 0), _NUM_KNOTS - 2)
-    frac = (t - KNOTS[k]) / (KNOTS[k + 1] - KNOTS[k])  # > 1 past the last knot: linear extrapolation
-    x[k], x[k + 1] = 1.0 - frac, frac
+    x[_LEVEL] = 1.0
+    # Tokens past each knot, up to the segment's width (unbounded on the last segment).
+    past = np.clip(t - KNOTS[:-1], 0.0, None)
+    past[:-1] = np.minimum(past[:-1], _WIDTHS[:-1])
+    x[_SLOPES] = past
     x[_CTX] = shape.num_context * _CTX_SCALE
     x[_SPEC] = 1.0 if shape.is_spec else 0.0
     x[_DRAFT] = float(shape.num_draft_forwards)
@@ -71,15 +76,17 @@ def _features(shape: StepShape) -> np.ndarray:
 def _slope_change_penalty() -> np.ndarray:
     """D such that |D w|^2 sums the squared changes of f's slope between neighbouring segments."""
     rows = []
-    for k in range(1, _NUM_KNOTS - 1):
-        left, right = KNOTS[k] - KNOTS[k - 1], KNOTS[k + 1] - KNOTS[k]
+    for k in range(_NUM_SLOPES - 1):
         row = np.zeros(_NUM_FEATURES)
-        row[k - 1], row[k], row[k + 1] = 1.0 / left, -1.0 / left - 1.0 / right, 1.0 / right
-        rows.append(row * KNOTS[k])  # scaled so every knot weighs alike
+        row[1 + k], row[2 + k] = -1.0, 1.0
+        rows.append(row * KNOTS[k + 1])  # in seconds across the knot's own scale: every knot weighs alike
     return np.array(rows)
 
 
 _SMOOTH = _slope_change_penalty()
+# Costs cannot be negative: f never falls with more tokens, and context, verify
+# and draft forwards never make a step cheaper. Only the level is free.
+_NONNEGATIVE = np.arange(1, _NUM_FEATURES)
 
 
 @dataclass
@@ -87,7 +94,7 @@ class StepCostModel:
     # Weight of the newest step: about the last 1 / weight steps count.
     weight: float = 0.02
     # Ridge strengths, relative to the data's own scale.
-    smoothness: float = 1e-4
+    smoothness: float = 1e-5
     shrink: float = 1e-6
     coef: np.ndarray = field(default_factory=lambda: np.zeros(_NUM_FEATURES))
     calibration: Calibration = field(default_factory=Calibration)
@@ -101,10 +108,10 @@ class StepCostModel:
         return self.num_observed > 0
 
     def predict(self, shape: StepShape) -> float:
-        return max(float(_features(shape) @ self.coef), 0.0)  # early fits can dip below 0 far from the data
+        return max(float(_features(shape) @ self.coef), 0.0)
 
     def marginal_token_cost(self, num_tokens: int) -> float:
-        """Seconds one more token adds to a step of `num_tokens` tokens (f's slope there, never negative)."""
+        """Seconds one more token adds to a step of `num_tokens` tokens (f's slope there)."""
         return max(self.tokens_cost(num_tokens + 1) - self.tokens_cost(num_tokens), 0.0)
 
     def tokens_cost(self, num_tokens: int) -> float:
@@ -134,17 +141,30 @@ class StepCostModel:
     def _solve(self) -> None:
         scale = max(float(np.trace(self._xx)) / _NUM_FEATURES, 1e-12)
         matrix = self._xx + self.smoothness * scale * (_SMOOTH.T @ _SMOOTH)
-        rhs = self._xy.copy()
         # A weak pull toward "every step costs the mean, one token 1% more per token":
-        # only where the data is silent (knots never visited, a fixed cost never seen).
+        # only where the data is silent (segments never visited, a fixed cost never seen).
         prior = np.zeros(_NUM_FEATURES)
-        prior[:_NUM_KNOTS] = self._mean * (1.0 + 0.01 * (KNOTS - 1.0))
-        matrix += self.shrink * scale * np.eye(_NUM_FEATURES)
-        rhs += self.shrink * scale * prior
-        try:
-            self.coef = np.linalg.solve(matrix, rhs)
-        except np.linalg.LinAlgError:
-            pass
+        prior[_LEVEL] = self._mean
+        prior[_SLOPES] = 0.01 * self._mean
+        matrix = matrix + self.shrink * scale * np.eye(_NUM_FEATURES)
+        rhs = self._xy + self.shrink * scale * prior
+        # Non-negative least squares by an active set: pin the most negative
+        # cost at zero and solve again, until every cost is >= 0.
+        free = np.ones(_NUM_FEATURES, dtype=bool)
+        coef = np.zeros(_NUM_FEATURES)
+        for _ in range(_NUM_FEATURES):
+            try:
+                solution = np.linalg.solve(matrix[np.ix_(free, free)], rhs[free])
+            except np.linalg.LinAlgError:
+                return
+            coef[:] = 0.0
+            coef[free] = solution
+            negative = [i for i in _NONNEGATIVE if free[i] and coef[i] < 0]
+            if not negative:
+                break
+            free[min(negative, key=lambda i: coef[i])] = False
+        coef[_NONNEGATIVE] = np.maximum(coef[_NONNEGATIVE], 0.0)
+        self.coef = coef
 
     def summary(self) -> dict:
         c = self.calibration
