@@ -2,8 +2,9 @@
 
 The engine fills one `StepStats` per step and hands it to
 `MetricsObserver.observe`; nothing else in specd calls prometheus_client.
-Names follow DESIGN.md ("Metrics"): prefix `specd_`, label `model` on every
-series, speculation counters named as vLLM's so its PromQL carries over.
+Names are listed in `METRICS` below and in docs/design.md ("Metrics"): prefix
+`specd_`, label `model` on every series, speculation counters named as vLLM's
+so its PromQL carries over.
 prometheus_client appends `_total` to counters, so they are declared without
 it and exposed exactly as `specd_..._total`.
 
@@ -52,6 +53,37 @@ LATENCY_BUCKETS = (
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 # predicted / measured step time: 1.0 is a perfect cost model.
 RATIO_BUCKETS = (0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0)
+
+# Every series specd exposes: name as scraped -> (type, labels besides `model`).
+# The same table is in docs/design.md ("Metrics"); tests check that the
+# registry, that table and the dashboard agree with this one.
+METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "specd_requests_total": ("counter", ("finish_reason",)),
+    "specd_prompt_tokens_total": ("counter", ()),
+    "specd_generation_tokens_total": ("counter", ()),
+    "specd_spec_decode_num_drafts_total": ("counter", ("method",)),
+    "specd_spec_decode_num_draft_tokens_total": ("counter", ("method",)),
+    "specd_spec_decode_num_accepted_tokens_total": ("counter", ("method",)),
+    "specd_spec_decode_num_accepted_tokens_per_pos_total": ("counter", ("position",)),
+    "specd_engine_steps_total": ("counter", ("mode",)),
+    "specd_cost_model_predicted_seconds_total": ("counter", ()),
+    "specd_cost_model_observed_seconds_total": ("counter", ()),
+    "specd_spec_policy_expected_tokens_total": ("counter", ()),
+    "specd_spec_policy_emitted_tokens_total": ("counter", ()),
+    "specd_time_to_first_token_seconds": ("histogram", ()),
+    "specd_inter_token_latency_seconds": ("histogram", ()),
+    "specd_inter_chunk_latency_seconds": ("histogram", ()),
+    "specd_time_per_output_token_seconds": ("histogram", ()),
+    "specd_e2e_request_latency_seconds": ("histogram", ()),
+    "specd_request_queue_seconds": ("histogram", ()),
+    "specd_step_seconds": ("histogram", ("phase",)),
+    "specd_batch_size": ("histogram", ()),
+    "specd_cost_model_prediction_ratio": ("histogram", ()),
+    "specd_requests_running": ("gauge", ()),
+    "specd_requests_waiting": ("gauge", ()),
+    "specd_kv_cache_usage_ratio": ("gauge", ()),
+    "specd_spec_enabled": ("gauge", ()),
+}
 
 PHASES = ("prefill", "draft", "verify", "decode")
 MODES = ("spec", "plain")

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from scheduler.metrics import METRICS
+
 sys.path.insert(0, str(Path(__file__).parent))  # helpers beside this file
 
 from prom_server import PrometheusServer, free_port  # noqa: E402
@@ -35,21 +37,8 @@ PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 K8S = DEPLOY / "k8s"
 DATASOURCE_UID = "specd-prometheus"
 
-# DESIGN.md "Metrics", as exposed (counters with _total).
-DESIGN_METRICS = {
-    "specd_requests_total", "specd_prompt_tokens_total", "specd_generation_tokens_total",
-    "specd_spec_decode_num_drafts_total", "specd_spec_decode_num_draft_tokens_total",
-    "specd_spec_decode_num_accepted_tokens_total",
-    "specd_spec_decode_num_accepted_tokens_per_pos_total", "specd_engine_steps_total",
-    "specd_time_to_first_token_seconds", "specd_inter_token_latency_seconds",
-    "specd_inter_chunk_latency_seconds", "specd_time_per_output_token_seconds",
-    "specd_e2e_request_latency_seconds", "specd_request_queue_seconds", "specd_step_seconds",
-    "specd_batch_size", "specd_requests_running", "specd_requests_waiting",
-    "specd_kv_cache_usage_ratio", "specd_spec_enabled",
-    "specd_cost_model_predicted_seconds_total", "specd_cost_model_observed_seconds_total",
-    "specd_cost_model_prediction_ratio", "specd_spec_policy_expected_tokens_total",
-    "specd_spec_policy_emitted_tokens_total",
-}  # fmt: skip
+# Every metric as exposed (counters with _total): the one table in code.
+DESIGN_METRICS = set(METRICS)
 METRIC_REF = re.compile(r"\b(specd_\w+)")
 SELECTOR = re.compile(r"\b(specd_\w+)(\{[^}]*\})?(\[[^\]]*\])?")
 

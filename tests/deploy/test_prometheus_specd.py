@@ -13,6 +13,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from scheduler.metrics import METRICS
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from prom_server import PrometheusServer, prometheus_binary  # noqa: E402
 from promql import all_exprs  # noqa: E402
@@ -20,35 +22,8 @@ from specd_http import finish_server, start_server  # noqa: E402
 
 MODEL = "tiny-spec"
 
-# name -> type, as in DESIGN.md's metrics table (counters without the _total suffix,
-# as the parser reports families).
-DESIGN_METRICS = {
-    "specd_requests": "counter",
-    "specd_prompt_tokens": "counter",
-    "specd_generation_tokens": "counter",
-    "specd_spec_decode_num_drafts": "counter",
-    "specd_spec_decode_num_draft_tokens": "counter",
-    "specd_spec_decode_num_accepted_tokens": "counter",
-    "specd_spec_decode_num_accepted_tokens_per_pos": "counter",
-    "specd_engine_steps": "counter",
-    "specd_time_to_first_token_seconds": "histogram",
-    "specd_inter_token_latency_seconds": "histogram",
-    "specd_inter_chunk_latency_seconds": "histogram",
-    "specd_time_per_output_token_seconds": "histogram",
-    "specd_e2e_request_latency_seconds": "histogram",
-    "specd_request_queue_seconds": "histogram",
-    "specd_step_seconds": "histogram",
-    "specd_batch_size": "histogram",
-    "specd_requests_running": "gauge",
-    "specd_requests_waiting": "gauge",
-    "specd_kv_cache_usage_ratio": "gauge",
-    "specd_spec_enabled": "gauge",
-    "specd_cost_model_predicted_seconds": "counter",
-    "specd_cost_model_observed_seconds": "counter",
-    "specd_cost_model_prediction_ratio": "histogram",
-    "specd_spec_policy_expected_tokens": "counter",
-    "specd_spec_policy_emitted_tokens": "counter",
-}
+# name -> type as the parser names families (counters without the _total suffix).
+DESIGN_METRICS = {name.removesuffix("_total"): kind for name, (kind, _) in METRICS.items()}
 PROMPT = "A B C D E F G A B C D E F G A B C D"
 
 

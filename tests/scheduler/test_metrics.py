@@ -3,44 +3,19 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler.metrics import LATENCY_BUCKETS, MetricsObserver
+from scheduler.metrics import LATENCY_BUCKETS, METRICS, MetricsObserver
 from scheduler.types import FinishedRequestStats, FinishReason, SpecCounts, StepStats
 
 MODEL = "tiny-llama"
 
-# DESIGN.md "Metrics": exposed name -> (type, labels besides `model`).
-DESIGN_METRICS = {
-    "specd_requests_total": ("counter", {"finish_reason"}),
-    "specd_prompt_tokens_total": ("counter", set()),
-    "specd_generation_tokens_total": ("counter", set()),
-    "specd_spec_decode_num_drafts_total": ("counter", {"method"}),
-    "specd_spec_decode_num_draft_tokens_total": ("counter", {"method"}),
-    "specd_spec_decode_num_accepted_tokens_total": ("counter", {"method"}),
-    "specd_spec_decode_num_accepted_tokens_per_pos_total": ("counter", {"position"}),
-    "specd_engine_steps_total": ("counter", {"mode"}),
-    "specd_time_to_first_token_seconds": ("histogram", set()),
-    "specd_inter_token_latency_seconds": ("histogram", set()),
-    "specd_inter_chunk_latency_seconds": ("histogram", set()),
-    "specd_time_per_output_token_seconds": ("histogram", set()),
-    "specd_e2e_request_latency_seconds": ("histogram", set()),
-    "specd_request_queue_seconds": ("histogram", set()),
-    "specd_step_seconds": ("histogram", {"phase"}),
-    "specd_batch_size": ("histogram", set()),
-    "specd_requests_running": ("gauge", set()),
-    "specd_requests_waiting": ("gauge", set()),
-    "specd_kv_cache_usage_ratio": ("gauge", set()),
-    "specd_spec_enabled": ("gauge", set()),
-    "specd_cost_model_predicted_seconds_total": ("counter", set()),
-    "specd_cost_model_observed_seconds_total": ("counter", set()),
-    "specd_cost_model_prediction_ratio": ("histogram", set()),
-    "specd_spec_policy_expected_tokens_total": ("counter", set()),
-    "specd_spec_policy_emitted_tokens_total": ("counter", set()),
-}
+# exposed name -> (type, labels besides `model`), from the one table in code.
+DESIGN_METRICS = {name: (kind, set(labels)) for name, (kind, labels) in METRICS.items()}
 
 
 def spec_step() -> StepStats:
@@ -275,3 +250,12 @@ def test_observers_have_separate_registries_and_openmetrics():
     fams = {f.name: f for f in parse_openmetrics(body.decode())}
     assert fams["specd_spec_decode_num_draft_tokens"].type == "counter"
     assert not math.isnan(fams["specd_spec_enabled"].samples[0].value)
+
+
+def test_the_metric_table_in_the_docs_is_the_one_in_code():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
+    rows = re.findall(r"^\| `(specd_\w+)` \| (\w+) \|([\w, ]*)\|", doc, re.M)
+    documented = {name: (kind, tuple(x.strip() for x in labels.split(",") if x.strip())) for name, kind, labels in rows}
+    assert documented == METRICS
