@@ -33,6 +33,9 @@ _CTX, _SPEC, _DRAFT = 1 + _NUM_SLOPES, 2 + _NUM_SLOPES, 3 + _NUM_SLOPES
 _NUM_FEATURES = 4 + _NUM_SLOPES
 _CTX_SCALE = 1e-3  # C is fitted per thousand keys, so all features have similar sizes
 _WIDTHS = np.diff(KNOTS)
+_WARMUP_STEPS = 20  # steps learned from before predictions are scored and outliers clipped
+_OUTLIER_FACTOR = 3.0
+
 
 @dataclass(frozen=True)
 class StepShape:
@@ -128,8 +131,13 @@ class StepCostModel:
     def observe(self, shape: StepShape, seconds: float) -> None:
         if seconds <= 0:
             return
-        if self.is_fitted:
-            self.calibration.add(self.predict(shape), seconds)
+        if self.num_observed >= _WARMUP_STEPS:
+            predicted = self.predict(shape)
+            self.calibration.add(predicted, seconds)
+            # A step stalled by something else (another process, a GC pause) must not
+            # move the fit far: learn from at most 3x (and at least 1/3) the prediction.
+            if predicted > 0:
+                seconds = min(max(seconds, predicted / _OUTLIER_FACTOR), predicted * _OUTLIER_FACTOR)
         x = _features(shape)
         keep = 1.0 - self.weight
         self._xx = keep * self._xx + self.weight * np.outer(x, x)
@@ -171,7 +179,9 @@ class StepCostModel:
         return {
             "steps_observed": self.num_observed,
             "relative_error": round(c.relative_error, 4) if c.num_steps else None,
-            "predicted_over_observed": round(c.predicted_seconds / c.observed_seconds, 4) if c.observed_seconds else None,
+            "predicted_over_observed": round(c.predicted_seconds / c.observed_seconds, 4)
+            if c.observed_seconds
+            else None,
             "ms_per_step_at_tokens": {int(t): round(self.tokens_cost(int(t)) * 1e3, 3) for t in (1, 4, 16, 64, 256)},
             "ms_per_1k_context": round(float(self.coef[_CTX]) * 1e3, 4),
             "ms_spec_step": round(self.spec_cost * 1e3, 3),
