@@ -30,6 +30,7 @@ ATTN_IMPLEMENTATION = "specd"
 # Rows whose queries are padded into one attention call: more new tokens than
 # this and a row is attended on its own, so a prefill chunk never pads its
 # decode neighbours' queries to its length (covers a verify of 1 + 16 drafts).
+# Decode rows and verify rows are grouped separately for the same reason.
 SHORT_ROW_TOKENS = 17
 # Empty slots bridged to keep neighbouring short rows in one call: a hole costs
 # reading its keys, a separate call costs fixed per-layer launches.
@@ -67,17 +68,21 @@ class LayoutPlan:
             token_slot += [slot] * n
             token_pos += range(start, start + n)
         rows = range(len(slots))
-        short = sorted((b for b in rows if lens[b] <= SHORT_ROW_TOKENS), key=lambda b: slots[b])
+        # Decode rows (1 token) and verify rows (a few) are grouped apart: one
+        # verify run in a group would pad every decode row's queries to its length.
         runs: list[list[int]] = []
-        for b in short:
-            if runs:
-                prev = runs[-1][-1]
-                holes = slots[b] - slots[prev] - 1
-                max_kv = max(starts[r] + lens[r] for r in runs[-1] + [b])
-                if holes * max_kv <= MAX_BRIDGED_KEYS:
-                    runs[-1].append(b)
-                    continue
-            runs.append([b])
+        for kind in (lambda n: n == 1, lambda n: 1 < n <= SHORT_ROW_TOKENS):
+            kind_runs: list[list[int]] = []
+            for b in sorted((b for b in rows if kind(lens[b])), key=lambda b: slots[b]):
+                if kind_runs:
+                    prev = kind_runs[-1][-1]
+                    holes = slots[b] - slots[prev] - 1
+                    max_kv = max(starts[r] + lens[r] for r in kind_runs[-1] + [b])
+                    if holes * max_kv <= MAX_BRIDGED_KEYS:
+                        kind_runs[-1].append(b)
+                        continue
+                kind_runs.append([b])
+            runs += kind_runs
         runs += [[b] for b in rows if lens[b] > SHORT_ROW_TOKENS]
         total = len(token_slot)
         groups = [cls._group(run, slots, starts, lens, offsets, total) for run in runs]
@@ -89,7 +94,8 @@ class LayoutPlan:
         num_slots = slots[run[-1]] - lo + 1
         max_q = max(lens[b] for b in run)
         grid_start = [0] * num_slots
-        token_index, pad_index = [], []
+        token_index: list[int] = []
+        pad_index: list[int] = []
         for b in run:
             cell = slots[b] - lo
             grid_start[cell] = starts[b]
@@ -196,7 +202,7 @@ class KVCache:
         self.layout: StepLayout | None = None
 
     @classmethod
-    def for_model(cls, config, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> "KVCache":
+    def for_model(cls, config, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads

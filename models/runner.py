@@ -140,6 +140,7 @@ class ModelRunner:
         arrays = plan.buf.upload(self.device)
         device_draft = None
         if plan.draft is not None:
+            assert isinstance(self.proposer, DraftModelProposer)
             try:
                 device_draft = self.proposer.run(plan.draft, arrays)
             except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
@@ -198,7 +199,10 @@ class ModelRunner:
                 return self._prepare(rows, device_drafting=False)
         plan.layout.add_to(buf, "layout")
 
-        input_ids, keep, fill_pos, fill_src = [], [], [], []
+        input_ids: list[int] = []
+        keep: list[int] = []
+        fill_pos: list[int] = []
+        fill_src: list[int] = []
         k_max = plan.draft.k_max if plan.draft else 0
         draft_index = {row: d for d, row in enumerate(draft_rows)}
         for i, row in enumerate(rows):
@@ -208,8 +212,8 @@ class ModelRunner:
                 fill_pos += range(first_draft, first_draft + num_draft[i])
                 fill_src += range(draft_index[i] * k_max, draft_index[i] * k_max + num_draft[i])
                 input_ids += [0] * num_draft[i]  # placeholders: the drafts are on the device
-            elif host_drafts[i]:
-                input_ids += host_drafts[i].token_ids
+            elif (draft := host_drafts[i]) is not None:
+                input_ids += draft.token_ids
             if row.sample:
                 keep += range(len(input_ids) - num_draft[i] - 1, len(input_ids))
         buf.ints("input_ids", input_ids)
@@ -253,7 +257,9 @@ class ModelRunner:
         return shadows
 
     @staticmethod
-    def _run_host(proposer, rows: list[ScheduledRow], index: list[int], drafts: list[Draft | None]) -> list[Draft | None]:
+    def _run_host(
+        proposer, rows: list[ScheduledRow], index: list[int], drafts: list[Draft | None]
+    ) -> list[Draft | None]:
         if not index:
             return drafts
         try:
@@ -275,10 +281,13 @@ class ModelRunner:
         buf.ints("out_len", [len(r.output_ids) for r in requests])
         if n_max > 1:
             # Where each kept logit goes in the [rows, n_max] grid, and the host drafts (0 = padding).
-            buf.ints("grid_index", [r * n_max + j for r, i in enumerate(plan.sample_rows) for j in range(plan.num_draft[i] + 1)])
-            grid = []
+            cells = [(r, j) for r, i in enumerate(plan.sample_rows) for j in range(plan.num_draft[i] + 1)]
+            buf.ints("grid_index", [r * n_max + j for r, j in cells])
+            buf.ints("grid_row", [r for r, _ in cells])
+            grid: list[int] = []
             for i in plan.sample_rows:
-                ids = plan.host_drafts[i].token_ids if plan.host_drafts[i] else []
+                draft = plan.host_drafts[i]
+                ids = draft.token_ids if draft is not None else []
                 grid += ids + [0] * (n_max - 1 - len(ids))
             buf.ints("draft_grid", grid)
             position = {row: r for r, row in enumerate(plan.sample_rows)}
@@ -307,6 +316,10 @@ class ModelRunner:
         requests = [rows[i].request for i in plan.sample_rows]
         num_rows, device = len(requests), logits.device
         st = SamplingTensors.resolve([r.params for r in requests], vocab, arrays, "s")
+        want_logprobs = any(r.params.logprobs is not None for r in requests)
+        if n_max > 1 and st.all_greedy and st.no_penalties and st.no_logit_bias and not want_logprobs:
+            if "nan_rows" not in arrays:
+                return self._verify_greedy_packed(plan, arrays, logits, device_draft)
         if n_max == 1:
             grid = logits[:, None, :]  # [rows, 1, V]
         else:
@@ -320,18 +333,13 @@ class ModelRunner:
             output_counts = resolve_token_counts(num_rows, vocab, arrays, "counts.out")
             prompt_mask = resolve_token_counts(num_rows, vocab, arrays, "counts.prompt") > 0
         num_draft = arrays["num_draft"]
-        draft_ids = None
-        if n_max > 1:
-            draft_ids = arrays["draft_grid"].view(num_rows, n_max - 1)
-            if device_draft is not None:
-                draft_ids = draft_ids.clone()
-                k = device_draft.token_ids.shape[1]
-                draft_ids[arrays["draft_sample_rows"], :k] = device_draft.token_ids
+        draft_ids = self._draft_ids(arrays, num_rows, n_max, device_draft) if n_max > 1 else None
         if st.all_greedy:  # p and q are one-hot: compare argmaxes, no probabilities
             target_ids = greedy_ids(grid, st, output_counts, prompt_mask, draft_ids)  # [rows, n_max]
             if n_max == 1:
                 num_accepted, token_ids = torch.zeros(num_rows, dtype=torch.long, device=device), target_ids
             else:
+                assert draft_ids is not None
                 num_accepted, token_ids = greedy_verify(draft_ids, num_draft, target_ids)
         else:
             probs = process_logits(grid, st, output_counts, prompt_mask, draft_ids)  # [rows, n_max, vocab]
@@ -342,12 +350,12 @@ class ModelRunner:
                 token_ids = sample_from_probs(probs, u_sample)  # [rows, 1]
             else:
                 u_accept = uniform_noise(st.seeds, positions[:, :-1], STREAM_ACCEPT)
+                assert draft_ids is not None
                 q = self._draft_probs(arrays, draft_ids, num_draft, device_draft, vocab)
                 num_accepted, token_ids = rejection_sample(draft_ids, num_draft, q, probs, u_accept, u_sample)
         finite = torch.isfinite(grid).flatten(1).all(1)
         results = [torch.cat([finite[:, None].long(), num_accepted[:, None], token_ids], dim=1)]
         top_n = max((r.params.logprobs or 0 for r in requests), default=0)
-        want_logprobs = any(r.params.logprobs is not None for r in requests)
         if want_logprobs:
             # Log-probabilities of the raw target distribution at every grid position; the host keeps the emitted ones.
             logprobs = torch.log_softmax(grid, dim=-1)  # [rows, n_max, V]
@@ -357,7 +365,34 @@ class ModelRunner:
         host = download(*results)
         return self._outputs(plan, host, want_logprobs)
 
-    def _draft_probs(self, arrays, draft_ids, num_draft, device_draft: DeviceDraft | None, vocab: int) -> torch.Tensor | None:
+    def _verify_greedy_packed(
+        self, plan: StepPlan, arrays: DeviceArrays, logits: torch.Tensor, device_draft: DeviceDraft | None
+    ) -> dict[str, RowOutput]:
+        """Greedy verify straight from the packed logits `[kept, V]`: no `[rows, n_max, V]`
+        grid, so one long draft does not make every row's sampling n_max times larger."""
+        num_rows, n_max, device = len(plan.sample_rows), plan.n_max, logits.device
+        target_ids = torch.zeros(num_rows * n_max, dtype=torch.long, device=device)
+        target_ids.index_copy_(0, arrays["grid_index"], logits.argmax(dim=-1))
+        draft_ids = self._draft_ids(arrays, num_rows, n_max, device_draft)
+        num_accepted, token_ids = greedy_verify(draft_ids, arrays["num_draft"], target_ids.view(num_rows, n_max))
+        finite = torch.ones(num_rows, dtype=torch.long, device=device)
+        finite.scatter_reduce_(0, arrays["grid_row"], torch.isfinite(logits).all(dim=-1).long(), reduce="amin")
+        (host,) = download(torch.cat([finite[:, None], num_accepted[:, None], token_ids], dim=1))
+        return self._outputs(plan, [host], want_logprobs=False)
+
+    @staticmethod
+    def _draft_ids(arrays: DeviceArrays, num_rows: int, n_max: int, device_draft: DeviceDraft | None) -> torch.Tensor:
+        """[rows, n_max - 1] drafts: the host ones as uploaded, a draft model's from the device."""
+        draft_ids = arrays["draft_grid"].view(num_rows, n_max - 1)
+        if device_draft is not None:
+            draft_ids = draft_ids.clone()
+            k = device_draft.token_ids.shape[1]
+            draft_ids[arrays["draft_sample_rows"], :k] = device_draft.token_ids
+        return draft_ids
+
+    def _draft_probs(
+        self, arrays, draft_ids, num_draft, device_draft: DeviceDraft | None, vocab: int
+    ) -> torch.Tensor | None:
         """q for the rejection sampler: None when every draft is one-hot (model-free or greedy)."""
         if device_draft is None or device_draft.probs is None:
             return None
@@ -385,7 +420,7 @@ class ModelRunner:
                 out.method = plan.methods[i]
                 out.num_draft_tokens = plan.num_draft[i]
                 out.num_accepted_tokens = n_acc
-                if out.method == DraftModelProposer.method:
+                if isinstance(self.proposer, DraftModelProposer) and out.method == DraftModelProposer.method:
                     self.proposer.verified(row.request_id, row.start_pos + len(row.token_ids) + n_acc)
             want = row.request.params.logprobs
             if want is not None:

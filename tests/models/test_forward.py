@@ -83,8 +83,12 @@ def test_rollback_by_moving_the_length_back(model_dir):
     b = packed_forward(ours, cache, [2], [len(kept) - 1], [[kept[-1]]], [0])
     torch.testing.assert_close(a, b, atol=TOL, rtol=0)
     for layer in range(len(cache.keys)):
-        torch.testing.assert_close(cache.keys[layer][2, :, : len(kept)], fresh.keys[layer][0, :, : len(kept)], atol=TOL, rtol=0)
-        torch.testing.assert_close(cache.values[layer][2, :, : len(kept)], fresh.values[layer][0, :, : len(kept)], atol=TOL, rtol=0)
+        torch.testing.assert_close(
+            cache.keys[layer][2, :, : len(kept)], fresh.keys[layer][0, :, : len(kept)], atol=TOL, rtol=0
+        )
+        torch.testing.assert_close(
+            cache.values[layer][2, :, : len(kept)], fresh.values[layer][0, :, : len(kept)], atol=TOL, rtol=0
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -95,13 +99,15 @@ def test_grouped_attention_matches_sdpa(dtype):
     from models.kv_cache import StepLayout, _grouped_attention
 
     g = torch.Generator().manual_seed(0)
-    layout = StepLayout.build([0, 1, 2], [40, 7, 100], [1, 5, 3], torch.device("cpu"))
-    (group,) = layout.groups  # three short rows on consecutive slots: one call
+    layout = StepLayout.build([0, 1, 2], [40, 7, 100], [2, 5, 3], torch.device("cpu"))
+    (group,) = layout.groups  # three verify rows on consecutive slots: one call
     mask = group.mask(None)  # [3, 1, 5, 103]
     q = torch.randn(3, 8, group.plan.max_q, 16, generator=g).to(dtype)
     k = torch.randn(3, 2, group.plan.max_kv, 16, generator=g).to(dtype)
     v = torch.randn(3, 2, group.plan.max_kv, 16, generator=g).to(dtype)
-    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.25, enable_gqa=True)
+    expected = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=0.25, enable_gqa=True
+    )
     actual = _grouped_attention(q, k, v, mask, 0.25).float()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
@@ -122,6 +128,11 @@ def test_layout_groups_rows_by_slot_and_keeps_long_rows_alone():
     # Every row decoding one token on slots 0..B-1 in order: one call, no gather, no padding.
     (dense,) = LayoutPlan.build([0, 1, 2], [9, 4, 7], [1, 1, 1]).groups
     assert dense.token_index is None and dense.pad_index is None
+    # A verify row among decode rows gets its own call: the decode rows' queries stay unpadded.
+    decode, verify = LayoutPlan.build([0, 1, 2, 3], [40, 50, 60, 70], [1, 11, 1, 1]).groups
+    assert decode.max_q == 1 and decode.grid_start == [40, 0, 60, 70]  # slot 1 is a bridged hole: one query
+    assert decode.pad_index == [0, 2, 3]
+    assert (verify.slot_lo, verify.num_slots, verify.max_q) == (1, 1, 11)
     # Far-apart rows with long contexts are not bridged (the holes would cost more than a call).
     assert len(LayoutPlan.build([0, 15], [1500, 1500], [1, 1]).groups) == 2
 
