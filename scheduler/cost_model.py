@@ -19,6 +19,7 @@ the step's measured time before the step is learned from (`calibration`).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,7 @@ _CTX, _SPEC, _DRAFT = 1 + _NUM_SLOPES, 2 + _NUM_SLOPES, 3 + _NUM_SLOPES
 _NUM_FEATURES = 4 + _NUM_SLOPES
 _CTX_SCALE = 1e-3  # C is fitted per thousand keys, so all features have similar sizes
 _WIDTHS = np.diff(KNOTS)
+_KNOT_LIST = [float(k) for k in KNOTS]
 _WARMUP_STEPS = 20  # steps learned from before predictions are scored and outliers clipped
 _OUTLIER_FACTOR = 3.0
 
@@ -104,6 +106,7 @@ class StepCostModel:
     _xx: np.ndarray = field(default_factory=lambda: np.zeros((_NUM_FEATURES, _NUM_FEATURES)))
     _xy: np.ndarray = field(default_factory=lambda: np.zeros(_NUM_FEATURES))
     _mean: float = 0.0
+    _slopes: list[float] = field(default_factory=lambda: [0.0] * _NUM_SLOPES)
     num_observed: int = 0
 
     @property
@@ -114,8 +117,10 @@ class StepCostModel:
         return max(float(_features(shape) @ self.coef), 0.0)
 
     def marginal_token_cost(self, num_tokens: int) -> float:
-        """Seconds one more token adds to a step of `num_tokens` tokens (f's slope there)."""
-        return max(self.tokens_cost(num_tokens + 1) - self.tokens_cost(num_tokens), 0.0)
+        """Seconds one more token adds to a step of `num_tokens` tokens: f's slope
+        there. Plain Python (the policy asks once per candidate draft token)."""
+        k = bisect.bisect_right(_KNOT_LIST, num_tokens + 0.5) - 1
+        return self._slopes[min(max(k, 0), _NUM_SLOPES - 1)]
 
     def tokens_cost(self, num_tokens: int) -> float:
         return self.predict(StepShape(num_tokens))
@@ -173,6 +178,7 @@ class StepCostModel:
             free[min(negative, key=lambda i: coef[i])] = False
         coef[_NONNEGATIVE] = np.maximum(coef[_NONNEGATIVE], 0.0)
         self.coef = coef
+        self._slopes = [float(s) for s in coef[_SLOPES]]
 
     def summary(self) -> dict:
         c = self.calibration

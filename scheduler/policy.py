@@ -9,7 +9,10 @@ Rule (documented in README, "How `auto` decides"):
   their ratio a_j = P(draft j accepted | drafts before it accepted) is shrunk
   toward the recent rate of requests with the same proposer (a new request
   starts from what its peers achieved). The k-th draft token of a row yields
-  an extra token with probability g_k = a_1 * ... * a_k.
+  an extra token with probability g_k = a_1 * ... * a_k. How many accepted
+  tokens the plans expected against how many they got is tracked and shown
+  (`gain_scale`), not applied: one batch-wide factor would lend a copying
+  row's luck to a creative row beside it.
 * The price of a draft token is what it adds to *this* step's time, from a
   model of the step learned online on the running machine
   (`scheduler.cost_model`): the slope of the step's time in its tokens at this
@@ -102,18 +105,40 @@ class StepPlan:
 
     expected_tokens: float
     predicted_seconds: float | None
+    num_rows: int = 0  # decode rows the expectation covers
 
 
 @dataclass
 class TokenCalibration:
+    """Tokens the policy expected from its decode rows vs what they emitted.
+
+    `scale` is the recent ratio of accepted drafts to expected ones: how
+    far the acceptance estimates (shrunk toward peers, lagging a request's
+    changes) are from what the plans realised.
+    """
+
     num_steps: int = 0
     expected: float = 0.0
     emitted: float = 0.0
+    _expected_extra: float = 0.0  # EMA of expected accepted drafts per speculative step
+    _emitted_extra: float = 0.0
+    _num_spec_steps: int = 0
 
-    def add(self, expected: float, emitted: float) -> None:
+    def add(self, expected: float, emitted: float, num_rows: int) -> None:
         self.num_steps += 1
         self.expected += expected
         self.emitted += emitted
+        extra = expected - num_rows
+        if extra > 0.05:  # a step that speculated
+            self._num_spec_steps += 1
+            self._expected_extra = 0.95 * self._expected_extra + 0.05 * extra
+            self._emitted_extra = 0.95 * self._emitted_extra + 0.05 * max(emitted - num_rows, 0.0)
+
+    @property
+    def scale(self) -> float:
+        if self._num_spec_steps < 20 or self._expected_extra <= 0:
+            return 1.0
+        return min(max(self._emitted_extra / self._expected_extra, 0.5), 2.0)
 
 
 @dataclass
@@ -226,7 +251,7 @@ class SpecPolicy:
         for i, k in enumerate(chosen):
             if k:
                 ks[i] = k
-        return StepPlan(expected, seconds if cost.is_fitted else None), budget
+        return StepPlan(expected, seconds if cost.is_fitted else None, len(requests)), budget
 
     def _probe_due(self, request: Request, k: int) -> bool:
         """Whether a row that stopped drafting, and cannot shadow, should draft one token now."""
@@ -281,7 +306,7 @@ class SpecPolicy:
     def observe_step(self, shape: StepShape, seconds: float, plan: StepPlan | None, emitted: int) -> None:
         """A finished step: its measured time teaches the cost model; its tokens check the plan."""
         if plan is not None and plan.expected_tokens:
-            self.tokens.add(plan.expected_tokens, emitted)
+            self.tokens.add(plan.expected_tokens, emitted, plan.num_rows)
         self.cost.observe(shape, seconds)
 
     def free(self, request_id: str) -> None:
@@ -330,6 +355,7 @@ class SpecPolicy:
         return {
             "cost_model": self.cost.summary(),
             "expected_tokens_per_step": round(t.expected / t.num_steps, 3) if t.num_steps else None,
+            "gain_scale": round(t.scale, 3),
             "emitted_tokens_per_step": round(t.emitted / t.num_steps, 3) if t.num_steps else None,
             "recent_acceptance_by_proposer": {
                 method: round(counts.accepted[0] / counts.reached[0], 3)

@@ -3,6 +3,8 @@ modes, the operator's cap, shadows and probes that bring K back."""
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.policy import SpecConfig, SpecPolicy
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -85,7 +87,7 @@ def test_an_ngram_row_learns_from_shadows_without_probing():
 def test_cost_model_weighs_the_steps_real_cost():
     """The same acceptance buys long drafts when verify is cheap and none when it is expensive."""
     cheap = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(1.0, 0.01)))
-    costly = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(1.0, 5.0)))
+    costly = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(0.1, 5.0)))
     batch = [req(f"r{i}") for i in range(4)]
     for policy in (cheap, costly):
         for r in batch:
@@ -103,8 +105,10 @@ def test_cost_model_weighs_the_steps_real_cost():
 def test_fixed_spec_cost_keeps_weak_drafts_off():
     """Drafts that pay per token can still lose to the fixed cost of a verify step."""
     batch = [req(f"r{i}") for i in range(8)]
-    policies = {c: SpecPolicy(SpecConfig(num_speculative_tokens=4), "draft_model", cost=trained(linear(0.040, 0.001, c)))
-                for c in (0.0, 0.012)}  # fmt: skip
+    policies = {
+        c: SpecPolicy(SpecConfig(num_speculative_tokens=4), "draft_model", cost=trained(linear(0.040, 0.001, c)))
+        for c in (0.0, 0.012)
+    }
     for policy in policies.values():
         for r in batch:
             policy.observe(r, 4, 1)
@@ -165,7 +169,7 @@ COPY, CREATIVE = 7, 8
 
 
 def fake_step(batch: Batch) -> StepOutput:
-    """"copy" rows accept every draft and emit what their shadows predicted;
+    """ "copy" rows accept every draft and emit what their shadows predicted;
     "creative" rows accept nothing and never match a shadow."""
     rows = []
     for row in batch.rows:
@@ -175,9 +179,11 @@ def fake_step(batch: Batch) -> StepOutput:
             continue
         k = row.num_spec_tokens if copy else 0
         shadow = ([COPY] if copy else [CREATIVE + 1]) * row.num_shadow_tokens or None
-        rows.append(RowOutput(row.request_id, [COPY if copy else CREATIVE] * (k + 1), num_draft_tokens=row.num_spec_tokens,
-                              num_accepted_tokens=k, method="ngram" if row.num_spec_tokens else None,
-                              shadow_ids=shadow))  # fmt: skip
+        token = COPY if copy else CREATIVE
+        method = "ngram" if row.num_spec_tokens else None
+        out = RowOutput(row.request_id, [token] * (k + 1), num_draft_tokens=row.num_spec_tokens, num_accepted_tokens=k)
+        out.method, out.shadow_ids = method, shadow
+        rows.append(out)
     return StepOutput(rows=rows)
 
 
@@ -195,7 +201,7 @@ def test_accepting_rows_draft_and_the_others_do_not_at_every_batch_size():
         for i in range(size):
             kind = "copy" if i % 2 == 0 else "creative"
             s.add(Request(f"{kind}{i}", [1, 2, 3], SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)))
-        for step in range(60):
+        for _ in range(60):
             batch, _ = s.schedule()
             output = fake_step(batch)
             s.update(batch, output, step_seconds(batch, output))
@@ -227,3 +233,20 @@ def test_the_operators_cap_is_obeyed_exactly():
         output = fake_step(batch)
         s.update(batch, output, step_seconds(batch, output))
     assert len(batch.rows) == 3 and all(r.num_spec_tokens == 4 for r in batch.rows)
+
+
+def test_the_plans_are_checked_against_what_they_realised():
+    """The ratio of accepted drafts to expected ones, over steps that speculated (reported, clipped to [0.5, 2])."""
+    from scheduler.policy import TokenCalibration
+
+    calibration = TokenCalibration()
+    assert calibration.scale == 1.0  # no evidence yet
+    for _ in range(60):
+        calibration.add(expected=4 + 2.0, emitted=4 + 3.0, num_rows=4)  # 2 drafts expected, 3 accepted
+    assert calibration.scale == pytest.approx(1.5, rel=0.05)
+    for _ in range(200):
+        calibration.add(expected=4 + 2.0, emitted=4 + 0.0, num_rows=4)
+    assert calibration.scale == 0.5  # clipped: never below half
+    for _ in range(100):
+        calibration.add(expected=4.0, emitted=4.0, num_rows=4)  # plain steps say nothing about drafts
+    assert calibration.scale == 0.5
