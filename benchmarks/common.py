@@ -59,7 +59,9 @@ def engine_run(
     max_len = max(len(p) for p in prompts) + max_tokens + 8
     slots = max(len(prompts), 1)
     if runner is None:
-        runner = build_runner(target, RunnerConfig(max_num_seqs=slots, max_model_len=max_len), ProposerConfig(method, draft))
+        runner = build_runner(
+            target, RunnerConfig(max_num_seqs=slots, max_model_len=max_len), ProposerConfig(method, draft)
+        )
     config = SchedulerConfig(
         max_num_seqs=slots,
         max_model_len=max_len,
@@ -68,7 +70,9 @@ def engine_run(
         spec=SpecConfig(num_speculative_tokens=k, spec_disable_batch_size=threshold),
     )
     requests = [
-        Request(f"b{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, speculation=speculation))
+        Request(
+            f"b{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, speculation=speculation)
+        )
         for i, p in enumerate(prompts)
     ]
     start = time.perf_counter()
@@ -96,7 +100,13 @@ def hf_run(reference: LoadedModel, prompts: list[list[int]], max_tokens: int, na
     _sync(device)
     start = time.perf_counter()
     out = reference.model.generate(
-        ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, **generate
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+        **generate,
     )
     _sync(device)
     seconds = time.perf_counter() - start

@@ -26,7 +26,9 @@ from benchmarks.prompts import KINDS
 from benchmarks.step_bench import step_section
 
 
-def batch_section(dtype: str, sizes: list[int], max_tokens: int, model: str | None, device: str) -> tuple[str, list[dict]]:
+def batch_section(
+    dtype: str, sizes: list[int], max_tokens: int, model: str | None, device: str
+) -> tuple[str, list[dict]]:
     target = load(dtype, model, device)
     reference = load(dtype, model, device)
     prompts = [chat_ids(target, p) for kind in KINDS.values() for p in kind]
@@ -40,22 +42,33 @@ def batch_section(dtype: str, sizes: list[int], max_tokens: int, model: str | No
         result = engine_run(target, batch, max_tokens, speculation=False, name=f"engine, {n} seqs")
         base = base or result.tokens_per_second
         hf = hf_run(reference, batch, max_tokens, f"HF generate, batch {n}") if n in (1, 8) else None
-        rows.append([
-            n,
-            result.tokens_per_second,
-            result.tokens_per_second / base,
-            result.tokens_per_second / hf1.tokens_per_second,
-            hf.tokens_per_second if hf else None,
-            hf.tokens_per_second / hf1.tokens_per_second if hf else None,
-        ])
-        records.append({"dtype": dtype, "seqs": n, "engine_tps": result.tokens_per_second, "hf_tps": hf.tokens_per_second if hf else None})
+        rows.append(
+            [
+                n,
+                result.tokens_per_second,
+                result.tokens_per_second / base,
+                result.tokens_per_second / hf1.tokens_per_second,
+                hf.tokens_per_second if hf else None,
+                hf.tokens_per_second / hf1.tokens_per_second if hf else None,
+            ]
+        )
+        records.append(
+            {
+                "dtype": dtype,
+                "seqs": n,
+                "engine_tps": result.tokens_per_second,
+                "hf_tps": hf.tokens_per_second if hf else None,
+            }
+        )
     headers = ["seqs", "engine tok/s", "vs engine@1", "vs HF@1", "HF generate tok/s", "HF vs HF@1"]
     text = f"### Throughput vs concurrency ({dtype}, {max_tokens} new tokens, spec off)\n\n" + table(headers, rows)
     text += f"\n\nHF generate batch 1: {hf1.tokens_per_second:.2f} tok/s"
     return text, records
 
 
-def spec_section(dtype: str, max_tokens: int, model: str | None, draft_layers: int, device: str) -> tuple[str, list[dict]]:
+def spec_section(
+    dtype: str, max_tokens: int, model: str | None, draft_layers: int, device: str
+) -> tuple[str, list[dict]]:
     target = load(dtype, model, device)
     reference = load(dtype, model, device)
     draft_dir = make_layer_draft(model, draft_layers)
@@ -71,8 +84,25 @@ def spec_section(dtype: str, max_tokens: int, model: str | None, draft_layers: i
                 engine_run(target, ids, max_tokens, "ngram", speculation="auto", k=10, name="ngram auto K<=10"),
                 engine_run(target, ids, max_tokens, "ngram", speculation=True, k=4, name="ngram K=4"),
                 engine_run(target, ids, max_tokens, "ngram", speculation=True, k=10, name="ngram K=10"),
-                engine_run(target, ids, max_tokens, "draft_model", str(draft_dir), speculation=True, k=4, name=f"draft {draft_layers}L K=4"),
-                engine_run(target, ids, max_tokens, "draft_model", str(draft_dir), speculation="auto", name=f"draft {draft_layers}L auto"),
+                engine_run(
+                    target,
+                    ids,
+                    max_tokens,
+                    "draft_model",
+                    str(draft_dir),
+                    speculation=True,
+                    k=4,
+                    name=f"draft {draft_layers}L K=4",
+                ),
+                engine_run(
+                    target,
+                    ids,
+                    max_tokens,
+                    "draft_model",
+                    str(draft_dir),
+                    speculation="auto",
+                    name=f"draft {draft_layers}L auto",
+                ),
             ]
             hf_plain = hf_run(reference, ids, max_tokens, "HF generate")
             for n in (3, 5, 10):
@@ -80,11 +110,28 @@ def spec_section(dtype: str, max_tokens: int, model: str | None, draft_layers: i
                 results.append(r)
             for r in results:
                 mean_len = r.num_tokens / r.num_steps if r.num_steps else None
-                rows.append([tag, r.name, r.tokens_per_second, r.tokens_per_second / off.tokens_per_second,
-                             r.tokens_per_second / hf_plain.tokens_per_second, r.acceptance, mean_len])
-                records.append({"dtype": dtype, "prompt": tag, "config": r.name, "tps": r.tokens_per_second,
-                                "vs_off": r.tokens_per_second / off.tokens_per_second, "acceptance": r.acceptance,
-                                "tokens_per_step": mean_len})
+                rows.append(
+                    [
+                        tag,
+                        r.name,
+                        r.tokens_per_second,
+                        r.tokens_per_second / off.tokens_per_second,
+                        r.tokens_per_second / hf_plain.tokens_per_second,
+                        r.acceptance,
+                        mean_len,
+                    ]
+                )
+                records.append(
+                    {
+                        "dtype": dtype,
+                        "prompt": tag,
+                        "config": r.name,
+                        "tps": r.tokens_per_second,
+                        "vs_off": r.tokens_per_second / off.tokens_per_second,
+                        "acceptance": r.acceptance,
+                        "tokens_per_step": mean_len,
+                    }
+                )
             gc.collect()
     headers = ["prompt", "config", "tok/s", "vs spec off", "vs HF generate", "acceptance", "tokens/step"]
     text = f"### Speculation at batch 1 ({dtype}, {max_tokens} new tokens)\n\n" + table(headers, rows)
@@ -103,12 +150,18 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the records here")
     args = parser.parse_args()
 
-    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    where = (
+        torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    )
     print(f"# specd engine benchmark — {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n")
     records = []
     for dtype in args.dtypes.split(","):
         if args.section in ("batch", "all"):
-            text, rec = batch_section(dtype, [int(x) for x in args.batch_sizes.split(",")], args.max_tokens, args.model, args.device)
+            text, rec = batch_section(
+                dtype, [int(x) for x in args.batch_sizes.split(",")], args.max_tokens, args.model, args.device
+            )
             print(text + "\n", flush=True)
             records += rec
         if args.section in ("step", "all"):

@@ -153,7 +153,17 @@ class SpecdProcess(ServerProcess):
 
     def __init__(self, server_args: list[str], log_path: Path):
         port = free_port()
-        command = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *server_args]
+        command = [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *server_args,
+        ]
         super().__init__(command, log_path, port, _offline_env())
 
 
@@ -608,8 +618,10 @@ def tradeoff_markdown(summary: dict) -> list[str]:
 
 def plot_title(meta: dict) -> str:
     spec = meta["speculation"]
-    return (f"{meta['model']} ({spec.get('proposer')}, K={spec.get('num_speculative_tokens')}, auto threshold "
-            f"{spec.get('spec_disable_batch_size')}), {meta['max_tokens']} tokens/request, {meta['machine']}")
+    return (
+        f"{meta['model']} ({spec.get('proposer')}, K={spec.get('num_speculative_tokens')}, auto threshold "
+        f"{spec.get('spec_disable_batch_size')}), {meta['max_tokens']} tokens/request, {meta['machine']}"
+    )
 
 
 def progress_line(run: dict) -> str:
@@ -684,25 +696,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run every load against this server on the same model, dtype and device: "
                         "transformers = `transformers serve --continuous-batching` (plain decoding)")  # fmt: skip
     g = p.add_argument_group("load")
-    g.add_argument("--prompt-sets", type=lambda s: s.split(","), default=list(PROMPT_SETS),
-                   help=f"names under benchmarks/prompt_sets/ or .jsonl paths [{','.join(PROMPT_SETS)}]")
+    g.add_argument(
+        "--prompt-sets",
+        type=lambda s: s.split(","),
+        default=list(PROMPT_SETS),
+        help=f"names under benchmarks/prompt_sets/ or .jsonl paths [{','.join(PROMPT_SETS)}]",
+    )
     g.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help="speculation modes [off,on,auto]")
-    g.add_argument("--concurrency", type=numbers, default=[1, 2, 4, 8, 16, 32],
-                   help="closed-loop levels: that many requests in flight [1,2,4,8,16,32]; '' for none")
-    g.add_argument("--request-rate", type=lambda s: numbers(s, float), default=[],
-                   help="Poisson arrival rates in requests/s ('inf': all at once) [none]")
+    g.add_argument(
+        "--concurrency",
+        type=numbers,
+        default=[1, 2, 4, 8, 16, 32],
+        help="closed-loop levels: that many requests in flight [1,2,4,8,16,32]; '' for none",
+    )
+    g.add_argument(
+        "--request-rate",
+        type=lambda s: numbers(s, float),
+        default=[],
+        help="Poisson arrival rates in requests/s ('inf': all at once) [none]",
+    )
     g.add_argument("--max-concurrency", type=int, help="cap on requests in flight for --request-rate runs [none]")
     g.add_argument("--num-requests", type=int, help="requests per run [max(8, 2 x concurrency); 16 per rate]")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request [128]")
-    g.add_argument("--max-seconds", type=float, default=300,
-                   help="per run: requests still running then are cancelled [300]")
-    g.add_argument("--repeats", type=int, default=1,
-                   help="run each load this many times, modes interleaved, and pool the results [1]")
+    g.add_argument(
+        "--max-seconds", type=float, default=300, help="per run: requests still running then are cancelled [300]"
+    )
+    g.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run each load this many times, modes interleaved, and pool the results [1]",
+    )
     g.add_argument("--warmup", type=int, default=2, help="unmeasured requests per mode before the runs [2]")
     g.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals [0]")
     g = p.add_argument_group("output")
-    g.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/latest"),
-                   help="where serve_bench.{md,json,png} and server.log go [benchmarks/results/latest]")
+    g.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("benchmarks/results/latest"),
+        help="where serve_bench.{md,json,png} and server.log go [benchmarks/results/latest]",
+    )
     g.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = p.parse_args(argv)
     if unknown := set(args.modes) - set(MODES):

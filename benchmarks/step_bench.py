@@ -155,19 +155,28 @@ def step_section(target: LoadedModel, dtype: str, repeats: int = 7) -> tuple[str
     rows, records = [], []
     for name, (seconds, transfers, syncs) in measured.items():
         rows.append([name, seconds * 1e3, transfers, syncs])
-        records.append({"dtype": dtype, "case": name, "ms": seconds * 1e3, "host_transfers": transfers, "device_syncs": syncs})
+        records.append(
+            {"dtype": dtype, "case": name, "ms": seconds * 1e3, "host_transfers": transfers, "device_syncs": syncs}
+        )
     rows.append(["HF forward 1 token (300 ctx)", hf1 * 1e3, None, None])
     rows.append(["HF forward 11 tokens (300 ctx)", hf11 * 1e3, None, None])
     ms = {name: s for name, (s, _, _) in measured.items()}
     ratios = [
-        ["churned / in-order (batch 8)", ms["batch 8 decode, slots after churn"] / ms["batch 8 decode, slots in order"], "<= 1.05"],
-        ["mixed / (prefill alone + decode alone)",
-         ms["512 prefill + 7 decode rows"] / (ms["512-token prefill chunk alone"] + ms["7 decode rows alone"]), "<= 1.0"],
+        [
+            "churned / in-order (batch 8)",
+            ms["batch 8 decode, slots after churn"] / ms["batch 8 decode, slots in order"],
+            "<= 1.05",
+        ],
+        [
+            "mixed / (prefill alone + decode alone)",
+            ms["512 prefill + 7 decode rows"] / (ms["512-token prefill chunk alone"] + ms["7 decode rows alone"]),
+            "<= 1.0",
+        ],
         ["verify 1+10 / HF forward 11", ms["batch 1 verify 1+10 (300 ctx)"] / hf11, "<= 1.0"],
         ["verify 1+10 / decode 1", ms["batch 1 verify 1+10 (300 ctx)"] / ms["batch 1 decode (300 ctx)"], "-"],
         ["decode 1 / HF forward 1", ms["batch 1 decode (300 ctx)"] / hf1, "-"],
     ]
-    for name, value, goal in ratios:
+    for name, value, _goal in ratios:
         records.append({"dtype": dtype, "ratio": name, "value": value})
     text = (
         f"### Step time ({dtype}, {NUM_SLOTS} slots x {MAX_LEN} tokens, median of {repeats})\n\n"

@@ -45,7 +45,7 @@ def build_runner(
     if max_len != runner.max_model_len:
         logger.info("max_model_len capped to the model's %d positions", max_len)
         runner.max_model_len = max_len
-    draft: Proposer | None = None
+    draft: Proposer | DraftModelProposer | None = None
     if proposer.method == "ngram":
         draft = NgramProposer(proposer.ngram_min, proposer.ngram_max)
     elif proposer.method == "draft_model":

@@ -84,7 +84,7 @@ class DraftModelProposer:
         # Catch-up feed: every accepted token the draft has not seen yet.
         starts = [min(self._computed.get(r.request_id, 0), r.num_computed_tokens) for r in requests]
         feeds = [r.all_token_ids[s:] for r, s in zip(requests, starts)]
-        slots = [r.slot for r in requests]
+        slots = [_slot(r) for r in requests]
         active, layouts = [], []
         for j in range(max(num_tokens)):
             rows = [i for i, k in enumerate(num_tokens) if k > j]
@@ -150,6 +150,7 @@ class DraftModelProposer:
                 probs = process_logits(logits, st_j, counts_j, mask_j, None)  # [rows, 1, V]
                 u = uniform_noise(st_j.seeds, (out_len[index] + j)[:, None], STREAM_DRAFT)
                 tokens = sample_from_probs(probs, u)[:, 0]
+                assert q is not None  # allocated whenever a row samples
                 q[index, j] = probs[:, 0]
             drafted[index, j] = tokens
             if counts is not None:
@@ -157,6 +158,11 @@ class DraftModelProposer:
         for request, fed in zip(plan.requests, plan.fed_after):
             self._computed[request.request_id] = fed
         return DeviceDraft(drafted, q)
+
+
+def _slot(request: Request) -> int:
+    assert request.slot is not None, "a drafting request holds a KV slot"
+    return request.slot
 
 
 def _to_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -9,7 +9,9 @@ from models.transfer import HostBuffer
 
 
 @torch.inference_mode()
-def forward_step(model, cache: KVCache, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor | int) -> torch.Tensor:
+def forward_step(
+    model, cache: KVCache, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor | int
+) -> torch.Tensor:
     """Run a step's packed tokens `input_ids` `[T]` (already on the device) through `model`.
 
     `layout` says where each token lives (slot, position) and how rows are

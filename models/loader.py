@@ -148,6 +148,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if gguf_path is not None:
         model, tokenizer = _load_gguf(gguf_path, model_id, cfg, device, dtype)
     else:
+        assert cfg.model is not None  # None means the bundled GGUF
         model, tokenizer = _load_pretrained(_hf_source(cfg.model), model_id, cfg, device, dtype)
     model.eval()
     model.requires_grad_(False)
@@ -184,9 +185,7 @@ def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     """
     reason = _vocab_mismatch(target, draft) or _special_mismatch(target, draft)
     if reason:
-        raise ValueError(
-            f"draft model {draft.model_id} is incompatible with target {target.model_id}: {reason}"
-        )
+        raise ValueError(f"draft model {draft.model_id} is incompatible with target {target.model_id}: {reason}")
 
 
 def _vocab_mismatch(target: LoadedModel, draft: LoadedModel) -> str | None:
@@ -244,10 +243,7 @@ def _load_pretrained(
 def _offline_hint(source: str) -> str:
     if Path(source).exists() or not hf_constants.HF_HUB_OFFLINE:
         return ""
-    return (
-        " (HF_HUB_OFFLINE is set: a Hub model must already be in the Hugging Face cache;"
-        " or pass a local directory)"
-    )
+    return " (HF_HUB_OFFLINE is set: a Hub model must already be in the Hugging Face cache; or pass a local directory)"
 
 
 def _max_positions(config) -> int:
@@ -294,6 +290,7 @@ def local_model_dir(cfg: ModelConfig) -> Path | None:
         if not _is_complete(cache):
             _build_atomically(cache, lambda out: _save_converted(*_gguf_to_hf(gguf), out), source=gguf)
         return cache
+    assert cfg.model is not None  # None means the bundled GGUF
     path = Path(cfg.model).expanduser()
     return path if path.is_dir() else None
 

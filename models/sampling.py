@@ -85,7 +85,9 @@ class SamplingTensors:
             buf.floats(f"{prefix}.bias_values", values)
 
     @classmethod
-    def resolve(cls, params: list[SamplingParams], vocab_size: int, arrays: DeviceArrays, prefix: str) -> SamplingTensors:
+    def resolve(
+        cls, params: list[SamplingParams], vocab_size: int, arrays: DeviceArrays, prefix: str
+    ) -> SamplingTensors:
         greedy = [p.is_greedy for p in params]
         sampled = [p for p, g in zip(params, greedy) if not g]
         logit_bias = None
@@ -123,7 +125,6 @@ class SamplingTensors:
     def take(self, index: Tensor, params: list[SamplingParams]) -> SamplingTensors:
         """The rows at `index` (a device tensor; `params` are those rows' params)."""
         sampled = [p for p in params if not p.is_greedy]
-        vocab_size = self.logit_bias.shape[1] if self.logit_bias is not None else None
         return SamplingTensors(
             temperature=self.temperature[index],
             top_p=self.top_p[index],
@@ -134,7 +135,9 @@ class SamplingTensors:
             repetition_penalty=self.repetition_penalty[index],
             is_greedy=self.is_greedy[index],
             seeds=self.seeds[index],
-            logit_bias=None if vocab_size is None or not _bias_entries(params, vocab_size) else self.logit_bias[index],
+            logit_bias=None
+            if self.logit_bias is None or not _bias_entries(params, self.logit_bias.shape[1])
+            else self.logit_bias[index],
             all_greedy=all(p.is_greedy for p in params),
             any_greedy=any(p.is_greedy for p in params),
             no_top_k=self.no_top_k or not any(p.top_k > 0 for p in sampled),

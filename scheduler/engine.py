@@ -21,6 +21,7 @@ from scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from scheduler.types import (
     Batch,
     FinishedRequestStats,
+    FinishReason,
     Request,
     RequestOutput,
     SpecCounts,
@@ -36,7 +37,8 @@ __all__ = ["AsyncEngine", "Executor", "QueueFullError", "RequestStream"]
 class Executor(Protocol):
     """What the engine needs from `models`: run one batch."""
 
-    proposer_name: str
+    @property
+    def proposer_name(self) -> str: ...
 
     def execute(self, batch: Batch) -> StepOutput: ...
 
@@ -49,7 +51,7 @@ def new_step_thread() -> ThreadPoolExecutor:
 class RequestStream:
     """Async iterator over one request's outputs; closing it early aborts the request."""
 
-    def __init__(self, engine: "AsyncEngine", request: Request):
+    def __init__(self, engine: AsyncEngine, request: Request):
         self.request = request
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -69,7 +71,7 @@ class RequestStream:
         if not self.finished:
             self._engine.abort(self.request.request_id)
 
-    async def __aenter__(self) -> "RequestStream":
+    async def __aenter__(self) -> RequestStream:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -148,7 +150,7 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        if self._owns_thread:
+        if self._owns_thread and self._thread is not None:
             self._thread.shutdown(wait=True)
 
     @property
@@ -342,7 +344,7 @@ class AsyncEngine:
         self._timing.pop(out.request_id, None)
         stats.finished.append(
             FinishedRequestStats(
-                finish_reason=out.finish_reason,
+                finish_reason=out.finish_reason or FinishReason.ERROR,  # a finished output always has one
                 e2e_seconds=now - timing.arrival,
                 ttft_seconds=None if timing.first_token is None else timing.first_token - timing.arrival,
                 num_prompt_tokens=out.num_prompt_tokens,

@@ -124,15 +124,9 @@ class MetricsObserver:
         self._requests = counter("specd_requests", "Finished requests.", "finish_reason")
         self._prompt_tokens = counter("specd_prompt_tokens", "Prompt tokens prefilled.")
         self._generation_tokens = counter("specd_generation_tokens", "Tokens generated.")
-        self._num_drafts = counter(
-            "specd_spec_decode_num_drafts", "Verify rows that carried a draft.", "method"
-        )
-        self._num_draft_tokens = counter(
-            "specd_spec_decode_num_draft_tokens", "Draft tokens proposed.", "method"
-        )
-        self._num_accepted_tokens = counter(
-            "specd_spec_decode_num_accepted_tokens", "Draft tokens accepted.", "method"
-        )
+        self._num_drafts = counter("specd_spec_decode_num_drafts", "Verify rows that carried a draft.", "method")
+        self._num_draft_tokens = counter("specd_spec_decode_num_draft_tokens", "Draft tokens proposed.", "method")
+        self._num_accepted_tokens = counter("specd_spec_decode_num_accepted_tokens", "Draft tokens accepted.", "method")
         self._accepted_per_pos = counter(
             "specd_spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by draft position (1..K).",
@@ -163,9 +157,7 @@ class MetricsObserver:
             "specd_time_per_output_token_seconds",
             "Per request: (e2e - TTFT) / (output tokens - 1).",
         )
-        self._e2e = histogram(
-            "specd_e2e_request_latency_seconds", "Request latency, arrival to finish."
-        )
+        self._e2e = histogram("specd_e2e_request_latency_seconds", "Request latency, arrival to finish.")
         self._queue = histogram("specd_request_queue_seconds", "Time waiting for admission.")
         self._step = histogram("specd_step_seconds", "Engine step time by phase.", "phase")
         self._batch_size = histogram(

@@ -151,7 +151,8 @@ class Scheduler:
         caps = [self._draft_cap(r) for r in decoding]
         base = StepShape(
             num_tokens=len(decoding) + sum(len(p.token_ids) for p in prefills),
-            num_context=sum(r.num_computed_tokens + 1 for r in decoding) + sum(p.start_pos + len(p.token_ids) for p in prefills),
+            num_context=sum(r.num_computed_tokens + 1 for r in decoding)
+            + sum(p.start_pos + len(p.token_ids) for p in prefills),
         )
         ks, self.last_plan = self.policy.decide(decoding, caps, budget, len(self.running), base)
         for request, k in zip(decoding, ks):
@@ -227,7 +228,9 @@ class Scheduler:
             if row.start_pos >= row.request.num_prompt_tokens  # decode rows: what the plan covered
         )
         plan = self.last_plan
-        self.last_check = StepCheck(plan.predicted_seconds if plan else None, plan.expected_tokens if plan else 0.0, emitted)
+        self.last_check = StepCheck(
+            plan.predicted_seconds if plan else None, plan.expected_tokens if plan else 0.0, emitted
+        )
         self.policy.observe_step(shape, seconds, plan, emitted)
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
@@ -283,6 +286,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            assert request.slot is not None
             heapq.heappush(self._free_slots, request.slot)
             self._finished_ids.append(request.request_id)
         request.status = RequestStatus.FINISHED

@@ -17,6 +17,7 @@ SpeculationMode = Literal["auto", True, False]
 MAX_SPEC_TOKENS = 16  # per-request `num_speculative_tokens` upper bound
 MAX_LOGIT_BIAS = 1024  # entries in one request's `logit_bias`
 MAX_TOP_LOGPROBS = 20  # as OpenAI
+MAX_TEMPERATURE = 2.0  # as OpenAI
 # Temperatures below this decode greedily (as vLLM): dividing float32 logits by
 # a smaller one overflows to inf, and the softmax of inf is NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -75,8 +76,8 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}] (as OpenAI), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -97,11 +98,11 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if self.speculation not in ("auto", True, False):
-            raise bad("speculation", f"must be \"auto\", true or false, got {self.speculation!r}")
+            raise bad("speculation", f'must be "auto", true or false, got {self.speculation!r}')
         k = self.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not 0 <= k <= MAX_SPEC_TOKENS):
             raise bad("num_speculative_tokens", f"must be an integer in [0, {MAX_SPEC_TOKENS}], got {k!r}")
-        if not 0 <= self.seed < 2**63:
+        if self.seed is None or not 0 <= self.seed < 2**63:
             raise bad("seed", "must be in [0, 2**63)")
 
 
@@ -111,7 +112,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
@@ -31,6 +32,10 @@ from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogM
 from server.routes import router
 from server.serving import ServingContext
 
+if TYPE_CHECKING:
+    from models.loader import LoadedModel
+    from models.runner import ModelRunner
+
 logger = logging.getLogger("specd.server")
 
 VERSION = "0.1.0"
@@ -40,8 +45,8 @@ VERSION = "0.1.0"
 class Components:
     """What `build_components` loads (blocking): the runner and the engine's configuration."""
 
-    loaded: object  # models.loader.LoadedModel
-    runner: object  # models.runner.ModelRunner
+    loaded: LoadedModel
+    runner: ModelRunner
     scheduler_config: SchedulerConfig
 
 

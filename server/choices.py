@@ -77,7 +77,8 @@ class Choice:
         self.want_logprobs = stream.request.params.logprobs is not None
         self.has_prediction = stream.request.prediction_ids is not None
         self._detokenizer = IncrementalDetokenizer(ctx.tokenizer, prompt_ids, req.skip_special_tokens)
-        self._stops = StopStringMatcher(req.stop or [], req.include_stop_str_in_output)
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        self._stops = StopStringMatcher(stops, req.include_stop_str_in_output)
         self._pending: list[TokenInfo] = []
         self._num_decoded = 0  # characters decoded (shown or held back)
         self.num_shown = 0  # characters released to the client
@@ -218,7 +219,7 @@ def usage_of(choices: list[Choice], num_prompt_tokens: int) -> Usage:
     )
 
 
-async def collect(choices: list[Choice], record: RequestRecord) -> dict[int, "Collected"]:
+async def collect(choices: list[Choice], record: RequestRecord) -> dict[int, Collected]:
     """Run a non-streamed request to the end: each choice's text, tokens and finish reason."""
     results = {c.index: Collected() for c in choices}
     try:

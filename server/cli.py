@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import sys
 import time
@@ -22,7 +23,10 @@ from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from scheduler.types import SpeculationMode
 from server.config import CONFIG_ENV, ENV_PREFIX, Settings, is_hidden, load_settings
+
+SPECULATION_CHOICES: dict[str, SpeculationMode] = {"auto": "auto", "true": True, "false": False}
 
 logger = logging.getLogger("specd.server")
 
@@ -66,7 +70,11 @@ def add_settings_flags(parser: argparse.ArgumentParser, names: typing.Iterable[s
         default = "" if "default" in (field.description or "") else f"; default: {_default_text(name, field)}"
         help_text = argparse.SUPPRESS if is_hidden(field) else f"{field.description} [env {env}{default}]"
         parser.add_argument(
-            "--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS, help=help_text, **_flag_type(field.annotation)
+            "--" + name.replace("_", "-"),
+            dest=name,
+            default=argparse.SUPPRESS,
+            help=help_text,
+            **_flag_type(field.annotation),
         )
 
 
@@ -77,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
     config_help = f"YAML file of settings, keys named as the flags ('-' or '_') [env {CONFIG_ENV}]"
 
-    serve = commands.add_parser("serve", help="run the HTTP server", description="Run the OpenAI-compatible HTTP server.")
+    serve = commands.add_parser(
+        "serve", help="run the HTTP server", description="Run the OpenAI-compatible HTTP server."
+    )
     serve.add_argument("--config", default=None, help=config_help)
     add_settings_flags(serve, Settings.model_fields)
 
@@ -86,11 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("prompt", help="the prompt; chat models get it as one user message (see --raw)")
     generate.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate [default: 128]")
-    generate.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy [default: 0]")
+    generate.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy [default: 0]"
+    )
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass [default: 1]")
     generate.add_argument("--seed", type=int, default=None, help="sampling seed [default: random]")
     generate.add_argument(
-        "--speculation", choices=("auto", "true", "false"), default="auto", help="speculate for this prompt [default: auto]"
+        "--speculation",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="speculate for this prompt [default: auto]",
     )
     generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     generate.add_argument("--config", default=None, help=config_help)
@@ -145,7 +160,7 @@ def serve(args: argparse.Namespace) -> int:
         log_config=None,
         log_level=settings.log_level,
         access_log=settings.access_log,
-        timeout_graceful_shutdown=settings.shutdown_timeout,
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout),
         lifespan="on",
     )
     server = Server(config)
@@ -196,7 +211,7 @@ async def _generate(components, args: argparse.Namespace) -> int:
             temperature=args.temperature,
             top_p=args.top_p,
             seed=args.seed,
-            speculation={"auto": "auto", "true": True, "false": False}[args.speculation],
+            speculation=SPECULATION_CHOICES[args.speculation],
         )
         request = Request("generate-0", prompt_ids, params)
         detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
@@ -219,8 +234,9 @@ async def _generate(components, args: argparse.Namespace) -> int:
             print(f"specd: error: {last.error}", file=sys.stderr)
             return 1
         print(
-            f"[{last.num_output_tokens} tokens in {seconds:.2f}s, {last.num_output_tokens / max(seconds, 1e-9):.1f} tok/s; "
-            f"finish_reason={last.finish_reason.value}; drafts accepted {last.num_accepted_tokens}/{last.num_draft_tokens}]",
+            f"[{last.num_output_tokens} tokens in {seconds:.2f}s, "
+            f"{last.num_output_tokens / max(seconds, 1e-9):.1f} tok/s; finish_reason={last.finish_reason}; "
+            f"drafts accepted {last.num_accepted_tokens}/{last.num_draft_tokens}]",
             file=sys.stderr,
         )
     return 0

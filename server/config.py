@@ -28,7 +28,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 CommaList = Annotated[list[str], NoDecode]
 
 # Values read from the YAML file for the `Settings` being built (see `load_settings`).
-_file_values: ContextVar[dict[str, Any]] = ContextVar("specd_file_values", default={})
+_file_values: ContextVar[dict[str, Any] | None] = ContextVar("specd_file_values", default=None)
 
 
 class Settings(BaseSettings):
@@ -57,25 +57,35 @@ class Settings(BaseSettings):
 
     # -- model --
     model: str | None = Field(
-        None, description="Hub id, local directory or .gguf file of the target model (default: bundled SmolLM2-135M-Instruct)."
+        None,
+        description="Hub id, local directory or .gguf file of the target model "
+        "(default: bundled SmolLM2-135M-Instruct).",
     )
     served_model_name: CommaList = Field(
         default_factory=list,
         description="Name(s) clients put in the 'model' field, comma-separated (default: the model id).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and activations dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 (avx512_bf16/amx), else float32."
+        "auto",
+        description="Weights and activations dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 "
+        "(avx512_bf16/amx), else float32.",
     )
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N.")
-    cache_dir: Path | None = Field(None, description="Where converted GGUF weights are cached (default ~/.cache/specd).")
+    cache_dir: Path | None = Field(
+        None, description="Where converted GGUF weights are cached (default ~/.cache/specd)."
+    )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of --model.")
     trust_remote_code: bool = Field(False, description="Allow model code from the Hub repository to run.")
 
     # -- speculation --
     draft: Literal["ngram", "draft_model", "none"] | None = Field(
-        None, description="Proposer: ngram (prompt lookup), draft_model, or none (default: draft_model if --draft-model, else ngram)."
+        None,
+        description="Proposer: ngram (prompt lookup), draft_model, or none "
+        "(default: draft_model if --draft-model, else ngram).",
     )
-    draft_model: str | None = Field(None, description="Hub id or directory of a draft model sharing the target's tokenizer.")
+    draft_model: str | None = Field(
+        None, description="Hub id or directory of a draft model sharing the target's tokenizer."
+    )
     num_speculative_tokens: int | None = Field(
         None,
         ge=0,
@@ -103,10 +113,15 @@ class Settings(BaseSettings):
     # -- scheduling --
     max_num_seqs: int = Field(16, ge=1, description="Requests decoded together in one batch (KV cache slots).")
     max_model_len: int | None = Field(
-        None, ge=2, description=f"Longest prompt + completion in tokens (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})."
+        None,
+        ge=2,
+        description=f"Longest prompt + completion in tokens (default: the model's, at most {DEFAULT_MAX_MODEL_LEN}).",
     )
     max_num_batched_tokens: int | None = Field(
-        None, ge=1, description=f"Tokens one engine step may process (default: max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, --max-num-seqs))."
+        None,
+        ge=1,
+        description=f"Tokens one engine step may process "
+        f"(default: max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, --max-num-seqs)).",
     )
     max_queue: int = Field(256, ge=0, description="Waiting requests beyond which new ones get 503 + Retry-After.")
 
@@ -123,7 +138,7 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _check(self) -> "Settings":
+    def _check(self) -> Settings:
         if self.draft == "draft_model" and not self.draft_model:
             raise ValueError("--draft draft_model needs --draft-model")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
@@ -154,10 +169,10 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
     """The YAML config file's values, below the environment in priority."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return _file_values.get().get(field_name), field_name, False
+        return (_file_values.get() or {}).get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return dict(_file_values.get())
+        return dict(_file_values.get() or {})
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

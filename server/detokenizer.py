@@ -11,6 +11,7 @@ longer ends in an incomplete character.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from functools import lru_cache
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -19,7 +20,7 @@ PROMPT_CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -84,7 +84,7 @@ def error_response(
     error_type: str,
     param: str | None = None,
     code: str | None = None,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     return JSONResponse(error_body(message, error_type, param, code), status_code=status_code, headers=headers)
 
@@ -130,8 +130,9 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
     located = (first.get("ctx") or {}).get("error")
-    if hasattr(located, "param"):  # a whole-body check that names the field itself (server.protocol)
-        return str(located), located.param
+    param = getattr(located, "param", None)
+    if param is not None or hasattr(located, "param"):  # a whole-body check that names the field (server.protocol)
+        return str(located), param
     if tuple(first.get("loc", ())) in (("body",), ()):  # the body itself (a nested non-object names its field)
         if isinstance(first.get("input"), (bytes, str)):
             return "the request body must be a JSON object sent with 'Content-Type: application/json'", None

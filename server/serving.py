@@ -133,7 +133,9 @@ def sampling_params(
 
 def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
     if bias and len(bias) > MAX_LOGIT_BIAS:  # before parsing: the size bound is the cheap check
-        raise BadRequestError(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", param="logit_bias")
+        raise BadRequestError(
+            f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", param="logit_bias"
+        )
     parsed: dict[int, float] = {}
     for key, value in (bias or {}).items():
         try:

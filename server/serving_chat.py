@@ -13,8 +13,8 @@ from server.choices import (
     Choice,
     ChoiceUpdate,
     SSEResponse,
-    chunk_encoder,
     TokenInfo,
+    chunk_encoder,
     clamp_logprob,
     collect,
     sse_stream,
@@ -75,7 +75,10 @@ def render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
             param="continue_final_message",
         )
     messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": content_text(m.content, f"messages[{i}].content")}
+        {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": content_text(m.content, f"messages[{i}].content"),
+        }
         for i, m in enumerate(req.messages)
     ]
     tokenizer = ctx.tokenizer
@@ -155,7 +158,9 @@ async def _complete(ctx, req, response_id, created, choices, record, num_prompt_
             ChatChoice(
                 index=c.index,
                 message=AssistantMessage(content="".join(results[c.index].text)),
-                logprobs=ChoiceLogprobs(content=token_logprobs(ctx, results[c.index].tokens)) if c.want_logprobs else None,
+                logprobs=ChoiceLogprobs(content=token_logprobs(ctx, results[c.index].tokens))
+                if c.want_logprobs
+                else None,
                 finish_reason=results[c.index].finish_reason,
             )
             for c in choices
@@ -174,7 +179,10 @@ def _stream(ctx, req, response_id, created, choices: list[Choice], record, num_p
             return chunk([], usage)
         logprobs = ChoiceLogprobs(content=token_logprobs(ctx, update.tokens)) if want_logprobs else None
         delta = DeltaMessage(content=update.text) if update.text else DeltaMessage()
-        return chunk([ChatChunkChoice(index=update.index, delta=delta, logprobs=logprobs, finish_reason=update.finish_reason)], usage)
+        return chunk(
+            [ChatChunkChoice(index=update.index, delta=delta, logprobs=logprobs, finish_reason=update.finish_reason)],
+            usage,
+        )
 
     _, continuous = stream_flags(req)
     opening_usage = usage_of(choices, num_prompt_tokens) if continuous else None

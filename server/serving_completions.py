@@ -12,8 +12,8 @@ from server.choices import (
     Choice,
     ChoiceUpdate,
     SSEResponse,
-    chunk_encoder,
     TokenInfo,
+    chunk_encoder,
     clamp_logprob,
     collect,
     sse_stream,
@@ -50,7 +50,7 @@ def tokenize_prompts(ctx: ServingContext, req: CompletionRequest) -> tuple[list[
     if isinstance(prompt[0], int):
         prompt = [prompt]
     ids, texts = [], []
-    for i, item in enumerate(prompt):
+    for item in prompt:
         if isinstance(item, str):
             ids.append(ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens))
             texts.append(item)
@@ -100,7 +100,12 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: HT
     record = request_record(raw)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
-    record.request_id, record.stream, record.n, record.prompt_tokens = response_id, req.stream, len(prompts), num_prompt_tokens
+    record.request_id, record.stream, record.n, record.prompt_tokens = (
+        response_id,
+        req.stream,
+        len(prompts),
+        num_prompt_tokens,
+    )
     streams = submit_all(ctx, response_id, prompts, params)
     choices = [Choice(i, stream, ctx, req, ids) for i, (stream, ids) in enumerate(zip(streams, prompts))]
     created = int(time.time())
@@ -121,7 +126,9 @@ async def _complete(ctx, req, response_id, created, choices, echoes, record, num
             CompletionChoice(
                 index=c.index,
                 text=echoes[c.index] + "".join(results[c.index].text),
-                logprobs=legacy_logprobs(ctx, results[c.index].tokens, len(echoes[c.index])) if c.want_logprobs else None,
+                logprobs=legacy_logprobs(ctx, results[c.index].tokens, len(echoes[c.index]))
+                if c.want_logprobs
+                else None,
                 finish_reason=results[c.index].finish_reason,
             )
             for c in choices
@@ -139,7 +146,9 @@ def _stream(ctx, req, response_id, created, choices: list[Choice], echoes, recor
         choice = choices[update.index]
         offset = len(echoes[update.index]) if req.echo else 0
         logprobs = legacy_logprobs(ctx, update.tokens, offset) if choice.want_logprobs else None
-        item = CompletionChoice(index=update.index, text=update.text, logprobs=logprobs, finish_reason=update.finish_reason)
+        item = CompletionChoice(
+            index=update.index, text=update.text, logprobs=logprobs, finish_reason=update.finish_reason
+        )
         return chunk([item], usage)
 
     _, continuous = stream_flags(req)

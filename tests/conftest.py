@@ -35,3 +35,15 @@ def tiny_draft_dir(tiny_llama_dir, tmp_path_factory) -> Path:
 def specd_cache_dir(tmp_path_factory) -> Path:
     """Converted-GGUF cache shared by the tests that load the real SmolLM2."""
     return tmp_path_factory.mktemp("specd-cache")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "smollm2: loads the real SmolLM2-135M (slower); `make test-fast` leaves these out"
+    )
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:  # every test that reaches the converted-GGUF cache loads SmolLM2
+        if "specd_cache_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.smollm2)

@@ -103,14 +103,25 @@ def test_chunks_count_tokens_from_continuous_usage():
     result = serve_bench.RequestResult("p", start=0.0)
 
     def chunk(content: str, completion_tokens: int, choices: bool = True) -> dict:
-        usage = {"prompt_tokens": 5, "completion_tokens": completion_tokens,
-                 "completion_tokens_details": {"accepted_prediction_tokens": 2, "rejected_prediction_tokens": 1}}
+        usage = {
+            "prompt_tokens": 5,
+            "completion_tokens": completion_tokens,
+            "completion_tokens_details": {"accepted_prediction_tokens": 2, "rejected_prediction_tokens": 1},
+        }
         return {"choices": [{"delta": {"content": content}}] if choices else [], "usage": usage}
 
     for now, piece in enumerate([chunk("", 0), chunk("a", 1), chunk("bcd", 4), chunk("", 4, choices=False)]):
         serve_bench.on_chunk(piece, float(now), result)
-    assert result.chunk_tokens == [1, 3] and result.chunk_times == [1.0, 2.0]  # the role chunk and usage chunk carry none
-    assert (result.num_output_tokens, result.num_prompt_tokens, result.num_accepted, result.num_rejected) == (4, 5, 2, 1)
+    assert result.chunk_tokens == [1, 3] and result.chunk_times == [
+        1.0,
+        2.0,
+    ]  # the role chunk and usage chunk carry none
+    assert (result.num_output_tokens, result.num_prompt_tokens, result.num_accepted, result.num_rejected) == (
+        4,
+        5,
+        2,
+        1,
+    )
 
 
 def test_tradeoff_names_the_crossover_and_auto_against_the_better_mode():

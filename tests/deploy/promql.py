@@ -68,7 +68,7 @@ def variable_query_to_promql(query: str) -> str | None:
     """Grafana's Prometheus variable functions as a PromQL query, or None."""
     if match := _LABEL_VALUES.match(query):
         selector, label = match.groups()
-        selector = selector or "{%s=~\".+\"}" % label
+        selector = selector or f'{{{label}=~".+"}}'
         return f"count by ({label}) ({selector})"
     if match := _QUERY_RESULT.match(query):
         return match.group(1)

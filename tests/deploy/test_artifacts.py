@@ -335,7 +335,8 @@ def test_dockerfile():
     assert re.search(r"HEALTHCHECK .*\n?.*/health", text)
     volumes = re.search(r"^VOLUME (\[.*\])$", text, re.M)
     assert volumes and set(json.loads(volumes.group(1))) == {
-        "/home/specd/.cache/specd", "/home/specd/.cache/huggingface"
+        "/home/specd/.cache/specd",
+        "/home/specd/.cache/huggingface",
     }
     assert 'ENTRYPOINT ["specd"]' in text and 'CMD ["serve", "--host", "0.0.0.0"]' in text
     for path in re.findall(r"^COPY (\S+)", text, re.M):
@@ -572,9 +573,7 @@ def test_real_prometheus_evaluates_every_dashboard_and_rule_expr(scraped_observe
         exprs = all_exprs()
         names = [e.name for e in exprs if e.kind == "record"]
         # Recording rules have run at least once over rates with 2+ samples.
-        prom.wait_until(
-            lambda: all(prom.query(n) for n in names), timeout=20, what="recorded series"
-        )
+        prom.wait_until(lambda: all(prom.query(n) for n in names), timeout=20, what="recorded series")
 
         def without_data() -> list[str]:  # prom.query raises on bad PromQL
             return [f"{item.where}: {item.expr}" for item in exprs

@@ -79,7 +79,7 @@ class Workload:
                 self.completion_tokens += response.json()["usage"]["completion_tokens"]
                 self.num_requests += 1
 
-    def __enter__(self) -> "Workload":
+    def __enter__(self) -> Workload:
         self.thread.start()
         return self
 
@@ -112,7 +112,11 @@ def test_metrics_are_complete_and_consistent(specd):
         assert after[name].type == kind, (name, after[name].type)
         for sample in after[name].samples:
             assert sample.labels.get("model") == MODEL, sample
-    delta = {n: total(after, n) - (total(before, n) if n in before else 0) for n in DESIGN_METRICS if DESIGN_METRICS[n] == "counter"}
+    delta = {
+        n: total(after, n) - (total(before, n) if n in before else 0)
+        for n in DESIGN_METRICS
+        if DESIGN_METRICS[n] == "counter"
+    }
     assert delta["specd_generation_tokens"] == work.completion_tokens
     assert delta["specd_requests"] == work.num_requests
     assert 0 < delta["specd_spec_decode_num_accepted_tokens"] <= delta["specd_spec_decode_num_draft_tokens"]

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import copy
 import dataclasses
+import json
 import logging
 from pathlib import Path
 

@@ -42,7 +42,7 @@ def test_ngram_index_matches_a_full_rescan_at_every_step():
     import random
 
     rng = random.Random(0)
-    for trial in range(20):
+    for _trial in range(20):
         min_n, max_n = rng.choice([(1, 4), (2, 3), (1, 1)])
         index = NgramIndex(min_n, max_n)
         tokens: list[int] = []

@@ -294,7 +294,9 @@ def test_greedy_verify_equals_rejection_sample_on_one_hot_rows():
     g = torch.Generator().manual_seed(3)
     rows, k, vocab = 64, 4, 6  # a small vocabulary: drafts often match
     target_ids = torch.randint(0, vocab, (rows, k + 1), generator=g)
-    draft_ids = torch.where(torch.rand(rows, k, generator=g) < 0.7, target_ids[:, :k], torch.randint(0, vocab, (rows, k), generator=g))
+    draft_ids = torch.where(
+        torch.rand(rows, k, generator=g) < 0.7, target_ids[:, :k], torch.randint(0, vocab, (rows, k), generator=g)
+    )
     num_draft = torch.randint(0, k + 1, (rows,), generator=g)
     p = torch.nn.functional.one_hot(target_ids, vocab).float()
     q = torch.nn.functional.one_hot(draft_ids, vocab).float()

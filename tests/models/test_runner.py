@@ -25,7 +25,9 @@ PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E 
 
 def make_runner(model_dir: Path, method: str = "ngram", draft: Path | None = None) -> ModelRunner:
     target = load_model(ModelConfig(str(model_dir), dtype="float32", device="cpu"))
-    return build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig(method, str(draft) if draft else None))
+    return build_runner(
+        target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig(method, str(draft) if draft else None)
+    )
 
 
 def running(rid: str, prompt: list[int], slot: int, **params) -> Request:
@@ -56,7 +58,9 @@ def test_draft_model_mixed_greedy_and_sampled_rows_with_ragged_k(tiny_llama_dir,
     (the engine never re-runs rows alone), and greedy rows equal plain decoding."""
     runner = make_runner(tiny_llama_dir, "draft_model", tiny_draft_dir)
     tok = runner.target.tokenizer
-    config = SchedulerConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, spec=SpecConfig(num_speculative_tokens=4))
+    config = SchedulerConfig(
+        max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, spec=SpecConfig(num_speculative_tokens=4)
+    )
 
     def requests(tag: str, speculation) -> list[Request]:
         out = []
@@ -86,7 +90,9 @@ def test_draft_model_mixed_greedy_and_sampled_rows_with_ragged_k(tiny_llama_dir,
         assert spec[i].token_ids == plain[i].token_ids
     assert all(c.num_draft_tokens > 0 for c in spec)
     # And one step by hand, so the shape is exactly the one that used to fail.
-    reqs = [running(f"h{i}", tok(p).input_ids, i, temperature=0.8 if i % 2 else 0, seed=i) for i, p in enumerate(PROMPTS)]
+    reqs = [
+        running(f"h{i}", tok(p).input_ids, i, temperature=0.8 if i % 2 else 0, seed=i) for i, p in enumerate(PROMPTS)
+    ]
     step(runner, reqs, [0] * 4)
     rows = step(runner, reqs, [3, 2, 1, 4])
     assert [r.num_draft_tokens for r in rows] == [3, 2, 1, 4]
@@ -101,8 +107,12 @@ def _draft_kv_matches_fresh_prefill(runner: ModelRunner, request: Request) -> No
     tokens = request.all_token_ids[:n]
     packed_forward(draft, fresh, [0], [0], [tokens], [n - 1])
     for layer in range(len(fresh.keys)):
-        torch.testing.assert_close(proposer.cache.keys[layer][request.slot, :, :n], fresh.keys[layer][0, :, :n], atol=1e-5, rtol=0)
-        torch.testing.assert_close(proposer.cache.values[layer][request.slot, :, :n], fresh.values[layer][0, :, :n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            proposer.cache.keys[layer][request.slot, :, :n], fresh.keys[layer][0, :, :n], atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(
+            proposer.cache.values[layer][request.slot, :, :n], fresh.values[layer][0, :, :n], atol=1e-5, rtol=0
+        )
 
 
 def test_draft_kv_after_rejections_and_plain_steps_equals_a_fresh_prefill(tiny_llama_dir, tiny_draft_dir):
@@ -134,7 +144,10 @@ def test_a_step_uploads_once_and_downloads_once(tiny_llama_dir, tiny_draft_dir, 
     `models.transfer`, once each way, whatever the step does."""
     runner = make_runner(tiny_llama_dir, method, tiny_draft_dir if method == "draft_model" else None)
     tok = runner.target.tokenizer
-    reqs = [running(f"t{i}", tok(p * 3).input_ids, i, seed=i, **({"temperature": 0} | params)) for i, p in enumerate(PROMPTS)]
+    reqs = [
+        running(f"t{i}", tok(p * 3).input_ids, i, seed=i, **({"temperature": 0} | params))
+        for i, p in enumerate(PROMPTS)
+    ]
     reqs[1].params.temperature = 0  # a greedy row among sampled ones
     step(runner, reqs, [0] * 4)
     if method == "ngram":  # host drafts for sure: two rows follow a prediction, two look up n-grams

@@ -98,10 +98,10 @@ class ProbedServer(SpecdServer):
                 fields[key] = int(value.split()[0])
         return {"rss": fields["VmRSS"] * 1024, "threads": fields["Threads"]}
 
-    def metrics(self) -> "Metrics":
+    def metrics(self) -> Metrics:
         return Metrics(httpx.get(self.url + "/metrics", headers=self.headers, timeout=30).text)
 
-    def wait_idle(self, timeout: float = 120) -> "Metrics":
+    def wait_idle(self, timeout: float = 120) -> Metrics:
         """Poll /metrics until nothing runs or waits; returns the idle scrape."""
         deadline = time.monotonic() + timeout
         while True:

@@ -127,7 +127,10 @@ class SoakReport:
         if sum(self.finished_counted.values()) != self.engine_requests_expected:
             found.append(f"/metrics counted {self.finished_counted} finished, expected {self.engine_requests_expected}")
         if self.finished_counted.get("error", 0) != self.counts["fault"]:
-            found.append(f"{self.finished_counted.get('error', 0)} requests ended in error, {self.counts['fault']} faults were injected")
+            found.append(
+                f"{self.finished_counted.get('error', 0)} requests ended in error, "
+                f"{self.counts['fault']} faults were injected"
+            )
         if self.kv_usage_end != 0:
             found.append(f"KV usage {self.kv_usage_end} at the end")
         leaked = leaked_bookkeeping(self.end)
@@ -154,7 +157,10 @@ class SoakReport:
                 f"{sum(self.finished_counted.values()):g} of {self.engine_requests_expected} submitted: "
                 + ", ".join(f"{reason} {value:g}" for reason, value in sorted(self.finished_counted.items())),
             ),
-            ("RSS after warm-up -> end", f"{self.warm['rss'] / mib:.1f} -> {self.end['rss'] / mib:.1f} MiB ({self.rss_growth * 100:+.2f}%)"),
+            (
+                "RSS after warm-up -> end",
+                f"{self.warm['rss'] / mib:.1f} -> {self.end['rss'] / mib:.1f} MiB ({self.rss_growth * 100:+.2f}%)",
+            ),
             ("peak RSS", f"{self.peak_rss / mib:.1f} MiB"),
             ("OS threads after warm-up -> end", f"{self.warm['os_threads']} -> {self.end['os_threads']}"),
             ("Python threads", f"{self.warm['threads']} -> {self.end['threads']}"),
@@ -162,8 +168,14 @@ class SoakReport:
             ("gc objects", f"{self.warm['gc_objects']} -> {self.end['gc_objects']}"),
             ("KV usage at the end", f"{self.kv_usage_end:g}"),
             ("per-request state left", str(leaked_bookkeeping(self.end) or "none")),
-            ("latency p50 / p99, first quarter", f"{percentile(first, 50) * 1000:.0f} / {percentile(first, 99) * 1000:.0f} ms"),
-            ("latency p50 / p99, last quarter", f"{percentile(last, 50) * 1000:.0f} / {percentile(last, 99) * 1000:.0f} ms"),
+            (
+                "latency p50 / p99, first quarter",
+                f"{percentile(first, 50) * 1000:.0f} / {percentile(first, 99) * 1000:.0f} ms",
+            ),
+            (
+                "latency p50 / p99, last quarter",
+                f"{percentile(last, 50) * 1000:.0f} / {percentile(last, 99) * 1000:.0f} ms",
+            ),
         ]
         width = max(len(name) for name, _ in rows)
         lines = [f"| {'soak'.ljust(width)} | result |", f"| {'-' * width} | ------ |"]
@@ -194,7 +206,7 @@ class Mix:
         speculation = rng.choice([True, False, "auto"])
         start = rng.randrange(len(CYCLE_TEXT))
         prompt = CYCLE_TEXT[: start + 1] * (3 if speculation is True else 1)
-        if not self.cycle.tokenizer.encode(prompt, add_special_tokens=False)[-1] in self.cycle.ids:
+        if self.cycle.tokenizer.encode(prompt, add_special_tokens=False)[-1] not in self.cycle.ids:
             prompt = CYCLE_TEXT  # the prompt must end on a whole cycle token
         return {
             "kind": kind,
@@ -287,10 +299,17 @@ def snapshot(server: ProbedServer) -> dict:
     metrics = server.wait_idle()
     probe = server.probe()
     status = server.proc_status()
-    return {**probe, "rss": status["rss"], "os_threads": status["threads"], "kv_metric": metrics.value("specd_kv_cache_usage_ratio")}
+    return {
+        **probe,
+        "rss": status["rss"],
+        "os_threads": status["threads"],
+        "kv_metric": metrics.value("specd_kv_cache_usage_ratio"),
+    }
 
 
-async def run_soak(server: ProbedServer, cycle: CycleText, num_requests: int, concurrency: int = 8, seed: int = 7) -> SoakReport:
+async def run_soak(
+    server: ProbedServer, cycle: CycleText, num_requests: int, concurrency: int = 8, seed: int = 7
+) -> SoakReport:
     report = SoakReport(num_requests=num_requests, concurrency=concurrency)
     mix = Mix(seed, cycle)
     warmup = num_requests // 4
@@ -318,7 +337,8 @@ async def run_soak(server: ProbedServer, cycle: CycleText, num_requests: int, co
     report.kv_usage_end = report.end["kv_metric"]
     after = server.metrics()
     report.finished_counted = {
-        reason: after.value("specd_requests_total", finish_reason=reason) - before.value("specd_requests_total", finish_reason=reason)
+        reason: after.value("specd_requests_total", finish_reason=reason)
+        - before.value("specd_requests_total", finish_reason=reason)
         for reason in ("stop", "length", "abort", "error")
     }
     report.peak_rss = max(report.peak_rss, report.warm["rss"], report.end["rss"])

@@ -63,12 +63,20 @@ CASES = [
     Case("empty-body", CHAT, raw=b""),
     Case("no-content-type-cmpl", CMPL, raw=json.dumps(body(CMPL)).encode(), headers={}),
     Case("no-content-type-chat", CHAT, raw=json.dumps(body(CHAT)).encode(), headers={}),
-    Case("form-encoded", CMPL, raw=b"model=tiny&prompt=hi", headers={"content-type": "application/x-www-form-urlencoded"}),
+    Case(
+        "form-encoded", CMPL, raw=b"model=tiny&prompt=hi", headers={"content-type": "application/x-www-form-urlencoded"}
+    ),
     Case("text-plain", CHAT, raw=json.dumps(body(CHAT)).encode(), headers={"content-type": "text/plain"}),
     Case("invalid-utf8-cmpl", CMPL, raw=b'{"model": "tiny", "prompt": "\xff\xfe\xfa"}'),
     Case("invalid-utf8-chat", CHAT, raw=b'{"model": "tiny", "messages": [{"role": "user", "content": "\xc3\x28"}]}'),
     Case("nested-100k-deep", CMPL, raw=b"[" * 100_000 + b"]" * 100_000),
-    Case("body-over-limit-cmpl", CMPL, json=body(CMPL, prompt="x" * (INPUT_MAX_BODY_BYTES + 10)), status=413, code="request_too_large"),
+    Case(
+        "body-over-limit-cmpl",
+        CMPL,
+        json=body(CMPL, prompt="x" * (INPUT_MAX_BODY_BYTES + 10)),
+        status=413,
+        code="request_too_large",
+    ),
     Case("body-over-limit-chat", CHAT, json=body(CHAT, messages=user("y" * INPUT_MAX_BODY_BYTES)), status=413),
     Case("body-over-limit-chunked", CMPL, raw=None, status=413),  # body from chunked_oversize()
     # -- lone surrogates and non-finite numbers --
@@ -78,14 +86,23 @@ CASES = [
     Case("surrogate-model", CMPL, json=body(CMPL, model="tiny\ud83d"), param="model"),
     Case("surrogate-key", CHAT, json={**body(CHAT), "\ud800": 1}),
     Case("nan-temperature", CMPL, raw=b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', param="temperature"),
-    Case("infinity-top-p", CHAT, raw=b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', param="top_p"),
-    Case("nan-logit-bias", CMPL, raw=b'{"model": "tiny", "prompt": "hi", "logit_bias": {"5": NaN}}', param="logit_bias"),
+    Case(
+        "infinity-top-p",
+        CHAT,
+        raw=b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+        param="top_p",
+    ),
+    Case(
+        "nan-logit-bias", CMPL, raw=b'{"model": "tiny", "prompt": "hi", "logit_bias": {"5": NaN}}', param="logit_bias"
+    ),
     # -- model --
     Case("missing-model", CMPL, json=body(CMPL, model=DROP), param="model"),
     Case("model-not-a-string", CHAT, json=body(CHAT, model=7), param="model"),
     Case("empty-model", CMPL, json=body(CMPL, model=""), status=404, param="model", code="model_not_found"),
     Case("unknown-model", CHAT, json=body(CHAT, model="gpt-4o"), status=404, param="model", code="model_not_found"),
-    Case("path-model", CMPL, json=body(CMPL, model="../../etc/passwd"), status=404, param="model", code="model_not_found"),
+    Case(
+        "path-model", CMPL, json=body(CMPL, model="../../etc/passwd"), status=404, param="model", code="model_not_found"
+    ),
     # -- prompt --
     Case("missing-prompt", CMPL, json=body(CMPL, prompt=DROP), param="prompt"),
     Case("prompt-object", CMPL, json=body(CMPL, prompt={"text": "hi"}), param="prompt"),
@@ -96,18 +113,43 @@ CASES = [
     Case("prompt-id-out-of-vocab", CMPL, json=body(CMPL, prompt=[5, 99_999]), param="prompt"),
     Case("prompt-id-negative", CMPL, json=body(CMPL, prompt=[-1, 5]), param="prompt"),
     Case("prompt-id-huge", CMPL, json=body(CMPL, prompt=[[1], [2**70]]), param="prompt"),
-    Case("prompt-over-context", CMPL, json=body(CMPL, prompt=OVER_CONTEXT_IDS), param="prompt", code="context_length_exceeded"),
-    Case("messages-over-context", CHAT, json=body(CHAT, messages=user("a " * 200)), param="messages", code="context_length_exceeded"),
+    Case(
+        "prompt-over-context",
+        CMPL,
+        json=body(CMPL, prompt=OVER_CONTEXT_IDS),
+        param="prompt",
+        code="context_length_exceeded",
+    ),
+    Case(
+        "messages-over-context",
+        CHAT,
+        json=body(CHAT, messages=user("a " * 200)),
+        param="messages",
+        code="context_length_exceeded",
+    ),
     # -- max_tokens --
     Case("max-tokens-zero", CMPL, json=body(CMPL, max_tokens=0), param="max_tokens"),
     Case("max-tokens-negative", CHAT, json=body(CHAT, max_tokens=-5), param="max_tokens"),
     Case("max-tokens-string", CMPL, json=body(CMPL, max_tokens="ten"), param="max_tokens"),
     Case("max-tokens-fraction", CMPL, json=body(CMPL, max_tokens=1.5), param="max_tokens"),
-    Case("max-tokens-over-context", CHAT, json=body(CHAT, max_tokens=10**9), param="max_tokens", code="context_length_exceeded"),
+    Case(
+        "max-tokens-over-context",
+        CHAT,
+        json=body(CHAT, max_tokens=10**9),
+        param="max_tokens",
+        code="context_length_exceeded",
+    ),
     Case("max-completion-tokens-zero", CHAT, json=body(CHAT, max_completion_tokens=0), param="max_completion_tokens"),
     # -- sampling values out of range or of the wrong type --
     Case("temperature-negative", CMPL, json=body(CMPL, temperature=-0.1), param="temperature"),
     Case("temperature-huge", CHAT, json=body(CHAT, temperature=101), param="temperature"),
+    Case("temperature-above-openai-range", CMPL, json=body(CMPL, temperature=3), param="temperature"),
+    Case(
+        "temperature-above-openai-range-chat-stream",
+        CHAT,
+        json=body(CHAT, temperature=2.5, stream=True),
+        param="temperature",
+    ),
     Case("temperature-string", CMPL, json=body(CMPL, temperature="hot"), param="temperature"),
     Case("top-p-zero", CHAT, json=body(CHAT, top_p=0), param="top_p"),
     Case("top-p-over-one", CMPL, json=body(CMPL, top_p=1.5), param="top_p"),
@@ -140,8 +182,18 @@ CASES = [
     Case("logit-bias-value-string", CHAT, json=body(CHAT, logit_bias={"5": "x"}), param="logit_bias"),
     # -- streaming --
     Case("stream-not-bool", CMPL, json=body(CMPL, stream="maybe"), param="stream"),
-    Case("stream-options-without-stream", CHAT, json=body(CHAT, stream_options={"include_usage": True}), param="stream_options"),
-    Case("stream-options-bad-type", CMPL, json=body(CMPL, stream=True, stream_options={"include_usage": "x"}), param="stream_options.include_usage"),
+    Case(
+        "stream-options-without-stream",
+        CHAT,
+        json=body(CHAT, stream_options={"include_usage": True}),
+        param="stream_options",
+    ),
+    Case(
+        "stream-options-bad-type",
+        CMPL,
+        json=body(CMPL, stream=True, stream_options={"include_usage": "x"}),
+        param="stream_options.include_usage",
+    ),
     # -- speculation extensions --
     Case("speculation-word", CHAT, json=body(CHAT, speculation="sometimes"), param="speculation"),
     Case("speculation-int", CMPL, json=body(CMPL, speculation=1), param="speculation"),
@@ -161,30 +213,69 @@ CASES = [
     Case("messages-string", CHAT, json=body(CHAT, messages="hi"), param="messages"),
     Case("messages-empty", CHAT, json=body(CHAT, messages=[]), param="messages"),
     Case("message-not-object", CHAT, json=body(CHAT, messages=["hi"]), param="messages[0]"),
-    Case("role-unknown", CHAT, json=body(CHAT, messages=[{"role": "robot", "content": "hi"}]), param="messages[0].role"),
+    Case(
+        "role-unknown", CHAT, json=body(CHAT, messages=[{"role": "robot", "content": "hi"}]), param="messages[0].role"
+    ),
     Case("role-tool", CHAT, json=body(CHAT, messages=[{"role": "tool", "content": "hi"}]), param="messages[0].role"),
     Case("role-missing", CHAT, json=body(CHAT, messages=[{"content": "hi"}]), param="messages[0].role"),
     Case("content-number", CHAT, json=body(CHAT, messages=user(5)), param="messages[0].content"),
-    Case("content-image-part", CHAT, json=body(CHAT, messages=user([{"type": "image_url", "image_url": {"url": "x"}}])), param="messages[0].content[0].type"),
-    Case("content-audio-part", CHAT, json=body(CHAT, messages=user([{"type": "text", "text": "a"}, {"type": "input_audio"}])), param="messages[0].content[1].type"),
-    Case("content-text-part-no-text", CHAT, json=body(CHAT, messages=user([{"type": "text"}])), param="messages[0].content[0].text"),
+    Case(
+        "content-image-part",
+        CHAT,
+        json=body(CHAT, messages=user([{"type": "image_url", "image_url": {"url": "x"}}])),
+        param="messages[0].content[0].type",
+    ),
+    Case(
+        "content-audio-part",
+        CHAT,
+        json=body(CHAT, messages=user([{"type": "text", "text": "a"}, {"type": "input_audio"}])),
+        param="messages[0].content[1].type",
+    ),
+    Case(
+        "content-text-part-no-text",
+        CHAT,
+        json=body(CHAT, messages=user([{"type": "text"}])),
+        param="messages[0].content[0].text",
+    ),
     Case("content-part-not-object", CHAT, json=body(CHAT, messages=user(["hi"])), param="messages[0].content"),
     # -- chat-only fields --
-    Case("prediction-bad-type", CHAT, json=body(CHAT, prediction={"type": "image", "content": "x"}), param="prediction.type"),
-    Case("response-format-json", CHAT, json=body(CHAT, response_format={"type": "json_object"}), param="response_format"),
+    Case(
+        "prediction-bad-type",
+        CHAT,
+        json=body(CHAT, prediction={"type": "image", "content": "x"}),
+        param="prediction.type",
+    ),
+    Case(
+        "response-format-json", CHAT, json=body(CHAT, response_format={"type": "json_object"}), param="response_format"
+    ),
     Case("tools", CHAT, json=body(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"),
     Case("continue-final-misuse", CHAT, json=body(CHAT, continue_final_message=True), param="continue_final_message"),
     Case("template-kwargs-clash", CHAT, json=body(CHAT, chat_template_kwargs={"tokenize": True}), param="messages"),
     Case("template-kwargs-string", CHAT, json=body(CHAT, chat_template_kwargs="x"), param="chat_template_kwargs"),
     Case("user-number", CHAT, json=body(CHAT, user=5), param="user"),
     # -- unknown fields are ignored, as OpenAI does --
-    Case("unknown-fields-cmpl", CMPL, json=body(CMPL, metadata={"a": 1}, store=True, frobnicate=[1, {"x": None}]), status=200),
-    Case("unknown-fields-chat", CHAT, json=body(CHAT, parallel_tool_calls=False, service_tier="auto", zzz=1), status=200),
-    Case("unknown-message-fields", CHAT, json=body(CHAT, messages=[{"role": "user", "content": "hi", "weight": 3}]), status=200),
+    Case(
+        "unknown-fields-cmpl",
+        CMPL,
+        json=body(CMPL, metadata={"a": 1}, store=True, frobnicate=[1, {"x": None}]),
+        status=200,
+    ),
+    Case(
+        "unknown-fields-chat", CHAT, json=body(CHAT, parallel_tool_calls=False, service_tier="auto", zzz=1), status=200
+    ),
+    Case(
+        "unknown-message-fields",
+        CHAT,
+        json=body(CHAT, messages=[{"role": "user", "content": "hi", "weight": 3}]),
+        status=200,
+    ),
 ]
 
 REFERENCE = [
-    (CMPL, {"model": INPUT_MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True}),
+    (
+        CMPL,
+        {"model": INPUT_MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+    ),
     (CHAT, {"model": INPUT_MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": 0, "ignore_eos": True}),
 ]
 

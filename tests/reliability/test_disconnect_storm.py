@@ -21,7 +21,7 @@ SEED = 20261129
 
 def storm_plan(rng: random.Random) -> list[dict]:
     plan = []
-    for i in range(NUM_CUT):
+    for _ in range(NUM_CUT):
         speculation = rng.choice([True, True, False, "auto", "auto"])
         chat = rng.random() < 0.4
         cut = rng.choices(["mid_body", "after_request", "after_headers", "after_events"], [1, 2, 2, 7])[0]
@@ -48,7 +48,12 @@ async def control_stream(http: httpx.AsyncClient, index: int, cycle_text) -> boo
     body = {"model": CYCLE_NAME, "prompt": prompt, "max_tokens": 40, "stream": True, "speculation": index % 2 == 0}
     response = await http.post("/completions", json=body)
     text, finishes, errors = stream_text(sse_events(response.text))
-    return response.status_code == 200 and not errors and finishes == ["length"] and text == cycle_text.expected(prompt, 40)
+    return (
+        response.status_code == 200
+        and not errors
+        and finishes == ["length"]
+        and text == cycle_text.expected(prompt, 40)
+    )
 
 
 async def test_disconnect_storm_leaves_nothing_behind(chaos_server, cycle_text, tally):
@@ -66,7 +71,13 @@ async def test_disconnect_storm_leaves_nothing_behind(chaos_server, cycle_text, 
     async def cut_one(item: dict):
         async with gate:
             return await cut_stream(
-                server.port, item["path"], item["body"], item["cut"], item["after_events"], server.headers, item["reset"]
+                server.port,
+                item["path"],
+                item["body"],
+                item["cut"],
+                item["after_events"],
+                server.headers,
+                item["reset"],
             )
 
     async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=300) as http:
@@ -99,7 +110,9 @@ async def test_disconnect_storm_leaves_nothing_behind(chaos_server, cycle_text, 
     assert after.value("specd_kv_cache_usage_ratio") == 0
 
     def finished(reason: str) -> float:
-        return after.value("specd_requests_total", finish_reason=reason) - before.value("specd_requests_total", finish_reason=reason)
+        return after.value("specd_requests_total", finish_reason=reason) - before.value(
+            "specd_requests_total", finish_reason=reason
+        )
 
     assert finished("error") == 0
     # Every request that produced an event reached the engine and was then aborted (or finished).
@@ -112,7 +125,10 @@ async def test_disconnect_storm_leaves_nothing_behind(chaos_server, cycle_text, 
     probe_after = server.probe()
     assert leaked_bookkeeping(probe_after) == {}, probe_after
     assert probe_after["tasks"] <= probe_before["tasks"], (probe_before["task_names"], probe_after["task_names"])
-    assert probe_after["threads"] <= probe_before["threads"], (probe_before["thread_names"], probe_after["thread_names"])
+    assert probe_after["threads"] <= probe_before["threads"], (
+        probe_before["thread_names"],
+        probe_after["thread_names"],
+    )
     assert probe_after["engine_running"]
 
     async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=60) as http:

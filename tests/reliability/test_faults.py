@@ -57,7 +57,13 @@ async def test_faults_fail_only_their_request(chaos_server, cycle_text, tally):
 
         async def normal(i: int) -> tuple[str, list[str], list[dict]]:
             prompt, speculation = NORMALS[i]
-            body = {"model": CYCLE_NAME, "prompt": prompt, "max_tokens": NORMAL_TOKENS, "stream": True, "speculation": speculation}
+            body = {
+                "model": CYCLE_NAME,
+                "prompt": prompt,
+                "max_tokens": NORMAL_TOKENS,
+                "stream": True,
+                "speculation": speculation,
+            }
             events = []
             async with http.stream("POST", "/completions", json=body) as response:
                 async for line in response.aiter_lines():
@@ -74,7 +80,7 @@ async def test_faults_fail_only_their_request(chaos_server, cycle_text, tally):
         normal_results = await asyncio.gather(*normals)
     tally.faults_injected += len(FAULTS)
 
-    for (path, fault, stream, _), response in zip(FAULTS, faults):
+    for (_path, _fault, stream, _), response in zip(FAULTS, faults):
         if stream:
             assert response.status_code == 200  # the headers went out before the fault
             events = sse_events(response.text)
@@ -97,7 +103,9 @@ async def test_faults_fail_only_their_request(chaos_server, cycle_text, tally):
     assert lost == 0
 
     after = server.wait_idle()
-    errors_counted = after.value("specd_requests_total", finish_reason="error") - before.value("specd_requests_total", finish_reason="error")
+    errors_counted = after.value("specd_requests_total", finish_reason="error") - before.value(
+        "specd_requests_total", finish_reason="error"
+    )
     assert errors_counted == len(FAULTS)
     assert after.value("specd_kv_cache_usage_ratio") == 0
     probe = server.probe()
@@ -110,7 +118,12 @@ async def test_faults_fail_only_their_request(chaos_server, cycle_text, tally):
 
 # -- in-process: the engine and the runner -------------------------------------------------
 
-PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G A B C D E F G", "for i in range(10):\n"]
+PROMPTS = [
+    "Hello world! How are you",
+    "def add(a, b):\n    return",
+    "A B C D E F G A B C D E F G",
+    "for i in range(10):\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +186,9 @@ def test_draft_model_failure_falls_back_to_plain_decoding(target, tiny_llama_dir
     mid-draft. Greedy output equals plain decoding token for token and no request fails."""
     import models.draft_model as draft_model
 
-    runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig("draft_model", str(tiny_llama_dir)))
+    runner = build_runner(
+        target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig("draft_model", str(tiny_llama_dir))
+    )
     config = engine_config(target)
     plain = run_offline(runner, config, requests_for(target, "plain", False))
     real_forward = draft_model.forward_step
@@ -203,7 +218,9 @@ def test_failed_drafts_leave_sampled_output_as_plain(target, tiny_llama_dir, mon
     """With every draft failing, a seeded sampled request emits exactly what plain decoding emits."""
     import models.draft_model as draft_model
 
-    runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig("draft_model", str(tiny_llama_dir)))
+    runner = build_runner(
+        target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig("draft_model", str(tiny_llama_dir))
+    )
     config = engine_config(target)
     params = {"temperature": 0.8, "top_p": 0.95, "seed": 1234}
     plain = run_offline(runner, config, requests_for(target, "plain", False, **params))
@@ -223,22 +240,25 @@ async def test_an_abort_in_a_failing_step_is_still_accounted(target):
     still be recorded as finished (abort), and leave no per-request state behind."""
     from scheduler.engine import AsyncEngine
 
-    runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=256, enable_fault_injection=True), ProposerConfig("ngram"))
+    runner = build_runner(
+        target, RunnerConfig(max_num_seqs=4, max_model_len=256, enable_fault_injection=True), ProposerConfig("ngram")
+    )
     finished = []
     engine = AsyncEngine(runner, engine_config(target), observer=lambda stats: finished.extend(stats.finished))
     await engine.start()
     try:
         prompt = target.tokenizer("Hello world").input_ids
-        leaving = engine.submit(Request("leaving", prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)))
+        leaving = engine.submit(
+            Request("leaving", prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        )
         async for out in leaving:
             if out.new_token_ids:
                 break
         leaving.abort()  # the abort and the faulty request reach the same schedule()
         faulty = engine.submit(Request("faulty", prompt, SamplingParams(max_tokens=8, fault="raise")))
         outs = [out async for out in faulty]
-        async for out in leaving:
-            pass
-        assert outs[-1].finish_reason is FinishReason.ERROR and out.finish_reason is FinishReason.ABORT
+        rest = [out async for out in leaving]
+        assert outs[-1].finish_reason is FinishReason.ERROR and rest[-1].finish_reason is FinishReason.ABORT
         for _ in range(100):
             if not engine.scheduler.has_work:
                 break

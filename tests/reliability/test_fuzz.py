@@ -69,7 +69,9 @@ def from_schema(schema: dict, components: dict) -> st.SearchStrategy:
     if kind == "null":
         return st.none()
     if kind == "array":
-        return st.lists(from_schema(schema.get("items", {}), components), min_size=schema.get("minItems", 0), max_size=4)
+        return st.lists(
+            from_schema(schema.get("items", {}), components), min_size=schema.get("minItems", 0), max_size=4
+        )
     if kind == "object" and "properties" in schema:
         return object_bodies(schema, components, mutate=False)
     if kind == "object" and isinstance(schema.get("additionalProperties"), dict):
@@ -204,7 +206,13 @@ def test_vanishing_temperature_or_top_p_decodes_greedily(http, extreme):
 
 @pytest.mark.parametrize("penalty", [1e-300, 1e-40, 1e-7])
 def test_vanishing_repetition_penalty_still_decodes(http, penalty):
-    body = {"model": INPUT_MODEL, "prompt": "Hello world", "max_tokens": 8, "ignore_eos": True, "repetition_penalty": penalty}
+    body = {
+        "model": INPUT_MODEL,
+        "prompt": "Hello world",
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "repetition_penalty": penalty,
+    }
     reply = http.post("/v1/completions", json=body)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 8

@@ -10,7 +10,14 @@ import statistics
 import time
 
 import httpx
-from rel_harness import CYCLE_NAME, OVERLOAD_MAX_NUM_SEQS, OVERLOAD_MAX_QUEUE, leaked_bookkeeping, sse_events, stream_text
+from rel_harness import (
+    CYCLE_NAME,
+    OVERLOAD_MAX_NUM_SEQS,
+    OVERLOAD_MAX_QUEUE,
+    leaked_bookkeeping,
+    sse_events,
+    stream_text,
+)
 
 BURST = 10 * OVERLOAD_MAX_QUEUE
 NUM_BURSTS = 3
@@ -57,7 +64,10 @@ async def reference_latency(http: httpx.AsyncClient) -> float:
 
 async def test_bursts_are_shed_at_once_and_admitted_requests_finish_exactly(overload_server, cycle_text, tally):
     server = overload_server
-    expected = {"/completions": cycle_text.expected("\nAb", ADMITTED_TOKENS), "/chat/completions": cycle_text.expected_chat(ADMITTED_TOKENS)}
+    expected = {
+        "/completions": cycle_text.expected("\nAb", ADMITTED_TOKENS),
+        "/chat/completions": cycle_text.expected_chat(ADMITTED_TOKENS),
+    }
     limits = httpx.Limits(max_connections=BURST + 4, max_keepalive_connections=BURST + 4)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=300, limits=limits) as http:
         idle_latency = await reference_latency(http)
@@ -88,7 +98,8 @@ async def test_bursts_are_shed_at_once_and_admitted_requests_finish_exactly(over
     print(
         f"\noverload: {NUM_BURSTS} bursts of {BURST} (queue {OVERLOAD_MAX_QUEUE}, slots {OVERLOAD_MAX_NUM_SEQS}): "
         f"{num_admitted} admitted, {len(shed_latencies)} shed; 503 latency max {max(shed_latencies) * 1000:.0f} ms; "
-        f"admitted latency max {max(admitted_latencies):.2f} s; RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB "
+        f"admitted latency max {max(admitted_latencies):.2f} s; "
+        f"RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB "
         f"({growth * 100:+.1f}%); idle latency {idle_latency * 1000:.0f} ms -> {recovered_latency * 1000:.0f} ms"
     )
     assert lost == 0, "an admitted request did not finish with the exact text"

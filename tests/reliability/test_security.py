@@ -186,7 +186,9 @@ async def test_model_names_are_never_opened_or_loaded(tiny_llama_dir, monkeypatc
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://specd") as http:
             _AUDIT = []
             for name in names:
-                reply = await http.post("/v1/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "x"}]})
+                reply = await http.post(
+                    "/v1/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "x"}]}
+                )
                 assert reply.status_code == 404 and reply.json()["error"]["param"] == "model", (name, reply.text)
                 card = await http.get("/v1/models/" + quote(name, safe=""))  # no client-side ../ folding
                 assert card.status_code == 404, (name, card.text)
@@ -199,7 +201,11 @@ async def test_model_names_are_never_opened_or_loaded(tiny_llama_dir, monkeypatc
         _AUDIT = None
         await state.stop_engine()
     assert any(os.devnull in e[1] for e in events), events
-    touched = [e for e in events if any(s in e[1] for s in ("passwd", "win.ini", "id_rsa", "SmolLM2", "gpt2", str(tiny_llama_dir)))]
+    touched = [
+        e
+        for e in events
+        if any(s in e[1] for s in ("passwd", "win.ini", "id_rsa", "SmolLM2", "gpt2", str(tiny_llama_dir)))
+    ]
     assert touched == [], touched
     assert not [e for e in events if e[0].startswith("socket")], events
 
@@ -225,10 +231,16 @@ def test_default_bind_is_loopback(chaos_server):
 
 
 async def test_cors_is_off_unless_origins_are_allowed(chaos_server):
-    preflight = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    preflight = {
+        "Origin": "http://evil.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization",
+    }
     response = httpx.options(chaos_server.base_url + "/chat/completions", headers=preflight, timeout=30)
     assert "access-control-allow-origin" not in response.headers and response.status_code >= 400
-    response = httpx.get(chaos_server.base_url + "/models", headers={**chaos_server.headers, "Origin": "http://evil.example"}, timeout=30)
+    response = httpx.get(
+        chaos_server.base_url + "/models", headers={**chaos_server.headers, "Origin": "http://evil.example"}, timeout=30
+    )
     assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
     async with in_process(api_key="k", allowed_origins="http://ui.example") as http:
         allowed = await http.options("/v1/chat/completions", headers={**preflight, "Origin": "http://ui.example"})
@@ -259,7 +271,11 @@ def test_limits_are_documented_with_their_values():
     for name, value in DOCUMENTED_LIMITS.items():
         matching = [row for row in rows if name in row]
         assert matching, f"{name} is missing from the limits table of {DOC.name}"
-        assert any(re.search(rf"(?<![\d,]){value:,}(?![\d,])|(?<!\d){value}(?!\d)", row) for row in matching), (name, value, matching)
+        assert any(re.search(rf"(?<![\d,]){value:,}(?![\d,])|(?<!\d){value}(?!\d)", row) for row in matching), (
+            name,
+            value,
+            matching,
+        )
 
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -283,16 +299,52 @@ def sized_body(size: int) -> bytes:
 PROMPTS_AT_LIMIT = MAX_CHOICES // MAX_N  # prompts that, with n = MAX_N, make MAX_CHOICES sequences
 BOUNDARIES = [  # (limit, path, fields at the limit, fields one past it, param)
     ("n", CMPL, {"n": MAX_N}, {"n": MAX_N + 1}, "n"),
-    ("prompts x n", CMPL, {"prompt": ["hi"] * PROMPTS_AT_LIMIT, "n": MAX_N}, {"prompt": ["hi"] * (PROMPTS_AT_LIMIT + 1), "n": MAX_N}, "n"),
+    (
+        "prompts x n",
+        CMPL,
+        {"prompt": ["hi"] * PROMPTS_AT_LIMIT, "n": MAX_N},
+        {"prompt": ["hi"] * (PROMPTS_AT_LIMIT + 1), "n": MAX_N},
+        "n",
+    ),
     ("stop strings", CHAT, {"stop": ["zq"] * MAX_STOP_STRINGS}, {"stop": ["zq"] * (MAX_STOP_STRINGS + 1)}, "stop"),
-    ("stop length", CHAT, {"stop": ["q" * MAX_STOP_STRING_CHARS]}, {"stop": ["q" * (MAX_STOP_STRING_CHARS + 1)]}, "stop"),
+    (
+        "stop length",
+        CHAT,
+        {"stop": ["q" * MAX_STOP_STRING_CHARS]},
+        {"stop": ["q" * (MAX_STOP_STRING_CHARS + 1)]},
+        "stop",
+    ),
     # The tiny vocabulary (320) cannot fill 1024 entries with valid ids: 256 pass, 1025 are refused by count.
     ("logit_bias", CMPL, {"logit_bias": bias_of(256)}, {"logit_bias": bias_of(MAX_LOGIT_BIAS + 1)}, "logit_bias"),
     ("logprobs", CMPL, {"logprobs": MAX_TOP_LOGPROBS}, {"logprobs": MAX_TOP_LOGPROBS + 1}, "logprobs"),
-    ("top_logprobs", CHAT, {"logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS}, {"logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS + 1}, "top_logprobs"),
-    ("num_speculative_tokens", CMPL, {"num_speculative_tokens": MAX_SPEC_TOKENS}, {"num_speculative_tokens": MAX_SPEC_TOKENS + 1}, "num_speculative_tokens"),
-    ("prompt tokens", CMPL, {"prompt": [5] * (INPUT_MAX_MODEL_LEN - 1)}, {"prompt": [5] * INPUT_MAX_MODEL_LEN}, "prompt"),
-    ("max_tokens", CMPL, {"prompt": [5] * 10, "max_tokens": INPUT_MAX_MODEL_LEN - 10}, {"prompt": [5] * 10, "max_tokens": INPUT_MAX_MODEL_LEN - 9}, "max_tokens"),
+    (
+        "top_logprobs",
+        CHAT,
+        {"logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS},
+        {"logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS + 1},
+        "top_logprobs",
+    ),
+    (
+        "num_speculative_tokens",
+        CMPL,
+        {"num_speculative_tokens": MAX_SPEC_TOKENS},
+        {"num_speculative_tokens": MAX_SPEC_TOKENS + 1},
+        "num_speculative_tokens",
+    ),
+    (
+        "prompt tokens",
+        CMPL,
+        {"prompt": [5] * (INPUT_MAX_MODEL_LEN - 1)},
+        {"prompt": [5] * INPUT_MAX_MODEL_LEN},
+        "prompt",
+    ),
+    (
+        "max_tokens",
+        CMPL,
+        {"prompt": [5] * 10, "max_tokens": INPUT_MAX_MODEL_LEN - 10},
+        {"prompt": [5] * 10, "max_tokens": INPUT_MAX_MODEL_LEN - 9},
+        "max_tokens",
+    ),
 ]
 
 
@@ -315,7 +367,9 @@ def test_body_limit_boundary(input_server, tally):
     headers = {"content-type": "application/json"}
     at = httpx.post(input_server.url + CMPL, content=sized_body(INPUT_MAX_BODY_BYTES), headers=headers, timeout=60)
     assert at.status_code == 200, at.text[:300]
-    over = httpx.post(input_server.url + CMPL, content=sized_body(INPUT_MAX_BODY_BYTES + 1), headers=headers, timeout=60)
+    over = httpx.post(
+        input_server.url + CMPL, content=sized_body(INPUT_MAX_BODY_BYTES + 1), headers=headers, timeout=60
+    )
     assert over.status_code == 413 and over.json()["error"]["code"] == "request_too_large"
 
 

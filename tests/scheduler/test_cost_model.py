@@ -11,7 +11,13 @@ from scheduler.cost_model import StepCostModel, StepShape
 
 def truth(s: StepShape) -> float:
     """Concave in tokens (GEMMs get more efficient), linear in keys read, fixed verify and draft costs."""
-    return 0.040 + 0.004 * s.num_tokens**0.7 + 0.002 * s.num_context / 1000 + 0.003 * s.is_spec + 0.006 * s.num_draft_forwards
+    return (
+        0.040
+        + 0.004 * s.num_tokens**0.7
+        + 0.002 * s.num_context / 1000
+        + 0.003 * s.is_spec
+        + 0.006 * s.num_draft_forwards
+    )
 
 
 def random_step(rng: random.Random) -> StepShape:
@@ -19,7 +25,12 @@ def random_step(rng: random.Random) -> StepShape:
     spec = rng.random() < 0.5
     drafts = rng.randint(0, 4 * rows) if spec else 0
     prefill = rng.choice([0, 0, 0, 128, 512])
-    return StepShape(rows + drafts + prefill, rows * rng.randint(100, 1500), spec and drafts > 0, rng.choice([0, 0, 2, 4]) if drafts else 0)
+    return StepShape(
+        rows + drafts + prefill,
+        rows * rng.randint(100, 1500),
+        spec and drafts > 0,
+        rng.choice([0, 0, 2, 4]) if drafts else 0,
+    )
 
 
 def test_recovers_a_synthetic_cost_function():

@@ -39,13 +39,17 @@ def sched_config(target, max_num_seqs=4, **spec) -> SchedulerConfig:
 
 def hf_greedy(model_dir_or_loaded, prompt_ids: list[int], n: int) -> list[int]:
     model = model_dir_or_loaded.model
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     return out[0, len(prompt_ids) :].tolist()
 
 
 def greedy_requests(tokenizer, tag: str, n: int = 24, **params) -> list[Request]:
     return [
-        Request(f"{tag}{i}", tokenizer(p).input_ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **params))
+        Request(
+            f"{tag}{i}", tokenizer(p).input_ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **params)
+        )
         for i, p in enumerate(PROMPTS)
     ]
 
@@ -71,7 +75,9 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_llama_dir):
     ids = target.tokenizer("Hello world").input_ids
 
     def sampled(rid, seed, **kw):
-        return Request(rid, ids, SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True, **kw))
+        return Request(
+            rid, ids, SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True, **kw)
+        )
 
     (alone,) = run_offline(runner, config, [sampled("alone", 1234)])
     together = run_offline(runner, config, [sampled("n1", 7), sampled("in-batch", 1234), sampled("n2", 8)])
@@ -149,7 +155,9 @@ def test_smollm2_greedy_matches_hf_generate(smollm2):
 
     def requests(tag, speculation):
         return [
-            Request(f"{tag}{i}", p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, speculation=speculation))
+            Request(
+                f"{tag}{i}", p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, speculation=speculation)
+            )
             for i, p in enumerate(prompts)
         ]
 

@@ -77,11 +77,7 @@ def value(fams: dict, sample_name: str, **labels: str) -> float:
     for suffix in ("_bucket", "_count", "_sum"):
         if family_name.endswith(suffix) and family_name not in fams:
             family_name = family_name.removesuffix(suffix)
-    hits = [
-        s.value
-        for s in fams[family_name].samples
-        if s.name == sample_name and labels.items() <= s.labels.items()
-    ]
+    hits = [s.value for s in fams[family_name].samples if s.name == sample_name and labels.items() <= s.labels.items()]
     assert len(hits) == 1, (sample_name, labels, hits)
     return hits[0]
 
@@ -110,9 +106,7 @@ def test_every_design_metric_is_exposed_with_its_type_and_labels(observer):
 
 def test_series_exist_at_zero_before_the_first_step(observer):
     fams = families(observer)
-    assert set(DESIGN_METRICS) <= {
-        f.name + "_total" if f.type == "counter" else f.name for f in fams.values()
-    }
+    assert set(DESIGN_METRICS) <= {f.name + "_total" if f.type == "counter" else f.name for f in fams.values()}
     for reason in ("stop", "length", "abort", "error"):
         assert value(fams, "specd_requests_total", finish_reason=reason) == 0
     for position in ("1", "2", "3"):
@@ -145,10 +139,7 @@ def test_counters_move_by_the_step_amounts(observer):
     assert value(fams, "specd_spec_decode_num_draft_tokens_total", **spec) == 2
     assert value(fams, "specd_spec_decode_num_accepted_tokens_total", **spec) == 1
     assert value(fams, "specd_spec_decode_num_draft_tokens_total", method="prediction") == 0
-    per_pos = [
-        value(fams, "specd_spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
-        for p in (1, 2, 3)
-    ]
+    per_pos = [value(fams, "specd_spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in (1, 2, 3)]
     assert per_pos == [3, 1, 0]
     # Per-position counts add up to the accepted tokens of all methods.
     assert sum(per_pos) == 3 + 1

@@ -184,7 +184,9 @@ def test_spec_threshold_makes_plain_steps():
 def test_spec_threshold_counts_prefilling_requests():
     """The threshold compares running requests, as documented: a long prompt
     still prefilling counts, though it does not decode yet."""
-    s = scheduler(max_num_seqs=4, max_num_batched_tokens=8, spec=SpecConfig(num_speculative_tokens=3, spec_disable_batch_size=2))
+    s = scheduler(
+        max_num_seqs=4, max_num_batched_tokens=8, spec=SpecConfig(num_speculative_tokens=3, spec_disable_batch_size=2)
+    )
     for i in range(2):
         s.add(make(f"r{i}", max_tokens=20))
     batch, _ = s.schedule()

@@ -15,12 +15,16 @@ from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
 
 PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G", "for i in range(10):\n"]
-SAMPLING_EXTRAS = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={52: 3.0, 153: -5.0})
+SAMPLING_EXTRAS = dict(
+    presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={52: 3.0, 153: -5.0}
+)
 
 
 def runner_for(model_dir, method, draft=None, max_num_seqs=4):
     target = load_model(ModelConfig(str(model_dir), dtype="float32", device="cpu"))
-    runner = build_runner(target, RunnerConfig(max_num_seqs=max_num_seqs, max_model_len=256), ProposerConfig(method, draft))
+    runner = build_runner(
+        target, RunnerConfig(max_num_seqs=max_num_seqs, max_model_len=256), ProposerConfig(method, draft)
+    )
     return target, runner
 
 
@@ -56,7 +60,9 @@ def proposer(request, tiny_llama_dir, tiny_draft_dir):
     """ngram; a 1-layer draft (mostly rejected); the target as its own draft (always accepted)."""
     if request.param == "ngram":
         return runner_for(tiny_llama_dir, "ngram")
-    return runner_for(tiny_llama_dir, "draft_model", tiny_draft_dir if request.param == "draft_weak" else tiny_llama_dir)
+    return runner_for(
+        tiny_llama_dir, "draft_model", tiny_draft_dir if request.param == "draft_weak" else tiny_llama_dir
+    )
 
 
 @pytest.mark.parametrize("extras", [{}, SAMPLING_EXTRAS], ids=["plain", "penalties+bias"])
@@ -135,7 +141,11 @@ def test_sampled_distribution_with_speculation_matches_without(tiny_llama_dir, t
 
     def batch(tag, speculation):
         return [
-            Request(f"{tag}{i}", ids, SamplingParams(max_tokens=3, temperature=1.5, seed=i, ignore_eos=True, speculation=speculation))
+            Request(
+                f"{tag}{i}",
+                ids,
+                SamplingParams(max_tokens=3, temperature=1.5, seed=i, ignore_eos=True, speculation=speculation),
+            )
             for i in range(num)
         ]
 

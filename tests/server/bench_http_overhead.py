@@ -21,12 +21,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from specd_http import SpecdServer  # noqa: E402
+
 from scheduler.engine import AsyncEngine  # noqa: E402
 from scheduler.metrics import MetricsObserver  # noqa: E402
 from scheduler.types import Request, SamplingParams  # noqa: E402
 from server.app import build_components, served_names  # noqa: E402
 from server.config import Settings  # noqa: E402
-from specd_http import SpecdServer  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a long story about a dragon who learns to fly."}]
 

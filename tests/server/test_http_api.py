@@ -46,7 +46,9 @@ def test_models(client, tiny_server, model, tiny_llama_dir):
 
 
 def test_speculation_endpoint(client, tiny_server, model):
-    client.completions.create(model=model, prompt="a b a b a b a b", max_tokens=8, temperature=0, extra_body={"speculation": True})
+    client.completions.create(
+        model=model, prompt="a b a b a b a b", max_tokens=8, temperature=0, extra_body={"speculation": True}
+    )
     info = httpx.get(tiny_server.base_url + "/speculation").json()
     assert info["proposer"] == "ngram"
     assert info["num_speculative_tokens"] == 10 and info["spec_disable_batch_size"] is None  # no cap by default
@@ -62,7 +64,9 @@ def test_speculation_endpoint(client, tiny_server, model):
 
 
 def test_chat_completion_object(client, model):
-    reply = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    reply = client.chat.completions.create(
+        model=model, messages=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
     assert reply.model == model and reply.created > 0 and reply.system_fingerprint
     choice = reply.choices[0]
@@ -107,7 +111,9 @@ def test_chat_stream_without_usage_and_with_continuous_usage(client, model):
 
 
 async def test_async_chat_stream_and_completion(aclient, model):
-    stream = await aclient.chat.completions.create(model=model, messages=PROMPT, max_tokens=5, temperature=0, stream=True)
+    stream = await aclient.chat.completions.create(
+        model=model, messages=PROMPT, max_tokens=5, temperature=0, stream=True
+    )
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     reply = await aclient.chat.completions.create(model=model, messages=PROMPT, max_tokens=5, temperature=0)
     assert reply.choices[0].message.content == text
@@ -165,7 +171,11 @@ def test_continue_final_message(client, model):
 def test_seed_reproduces_and_speculation_is_lossless(client, model):
     def run(**extra):
         reply = client.chat.completions.create(
-            model=model, messages=PROMPT, max_tokens=12, extra_body={"ignore_eos": True, **extra.pop("body", {})}, **extra
+            model=model,
+            messages=PROMPT,
+            max_tokens=12,
+            extra_body={"ignore_eos": True, **extra.pop("body", {})},
+            **extra,
         )
         return reply.choices[0].message.content
 
@@ -181,7 +191,13 @@ def test_logit_bias_forces_a_token(client, model, tiny_server):
 
 def test_chat_logprobs(client, model):
     reply = client.chat.completions.create(
-        model=model, messages=PROMPT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True}
+        model=model,
+        messages=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
     )
     content = reply.choices[0].logprobs.content
     assert len(content) == 5
@@ -213,7 +229,9 @@ def test_prediction_field_is_accepted(client, model):
     [("Hello world", 1), (["Hello", "The quick brown fox"], 2), ([72, 101, 108], 1), ([[72, 101], [108, 108, 111]], 2)],
 )
 def test_completion_prompt_forms(client, model, prompt, num_prompts):
-    reply = client.completions.create(model=model, prompt=prompt, max_tokens=3, n=2, temperature=0, extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model=model, prompt=prompt, max_tokens=3, n=2, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in reply.choices] == list(range(2 * num_prompts))
     assert reply.usage.completion_tokens == 3 * 2 * num_prompts
     assert reply.choices[0].text == reply.choices[1].text  # greedy: both choices of one prompt agree
@@ -259,7 +277,9 @@ def test_completion_stream_with_n_and_usage(client, model):
             finish[choice.index] = choice.finish_reason
     assert finish == {0: "length", 1: "length"}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
-    seeded = client.completions.create(model=model, prompt="Hello", max_tokens=5, n=2, seed=11, extra_body={"ignore_eos": True})
+    seeded = client.completions.create(
+        model=model, prompt="Hello", max_tokens=5, n=2, seed=11, extra_body={"ignore_eos": True}
+    )
     assert [c.text for c in seeded.choices] == [texts[0], texts[1]]
 
 

@@ -77,7 +77,9 @@ async def test_20_clients_disconnecting_mid_stream(tiny_server, model):
     assert metric(tiny_server, "specd_requests_running") == 0
     assert metric(tiny_server, "specd_requests_total", finish_reason="abort") == aborted_before + 20
     assert "status=499 stream=true" in tiny_server.log()
-    reply = httpx.post(tiny_server.base_url + "/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    reply = httpx.post(
+        tiny_server.base_url + "/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2}, timeout=60
+    )
     assert reply.status_code == 200
 
 
@@ -91,7 +93,9 @@ def test_non_stream_client_disconnect_aborts(tiny_server, model):
 
 
 def test_request_log_line(tiny_server, model):
-    httpx.post(tiny_server.base_url + "/completions", json={"model": model, "prompt": "log me", "max_tokens": 3}, timeout=60)
+    httpx.post(
+        tiny_server.base_url + "/completions", json={"model": model, "prompt": "log me", "max_tokens": 3}, timeout=60
+    )
     deadline = time.monotonic() + 10
     pattern = re.compile(
         r"specd\.request: id=cmpl-\w+ endpoint=/v1/completions status=200 stream=false n=1 prompt_tokens=\d+ "

@@ -59,7 +59,9 @@ def assert_error(response: httpx.Response, status: int, param=None, code=None, e
 )
 def test_invalid_chat_values_are_400_with_param(tiny_server, model, field, value, param):
     body = {"model": model, "messages": MESSAGES, "max_tokens": 2, field: value}
-    assert_error(post(tiny_server, "/chat/completions", json=body), 400, param=param, error_type="invalid_request_error")
+    assert_error(
+        post(tiny_server, "/chat/completions", json=body), 400, param=param, error_type="invalid_request_error"
+    )
 
 
 @pytest.mark.parametrize(
@@ -69,7 +71,10 @@ def test_invalid_chat_values_are_400_with_param(tiny_server, model, field, value
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0].type"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].type",
+        ),
         ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
         ({"messages": MESSAGES, "model": None}, "model"),
     ],
@@ -95,16 +100,22 @@ def test_invalid_completion_requests(tiny_server, model, body, param):
 
 
 def test_body_that_is_not_json_or_not_an_object(tiny_server):
-    assert_error(post(tiny_server, "/chat/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
+    assert_error(
+        post(tiny_server, "/chat/completions", content=b"{not json", headers={"content-type": "application/json"}), 400
+    )
     assert_error(post(tiny_server, "/chat/completions", json=[1, 2]), 400)
 
 
 def test_context_length_exceeded(tiny_server, model):
     long_prompt = list(range(10, 300)) * 2  # 580 tokens > max_model_len 512
-    error = assert_error(post(tiny_server, "/completions", json={"model": model, "prompt": long_prompt}), 400, param="prompt")
+    error = assert_error(
+        post(tiny_server, "/completions", json={"model": model, "prompt": long_prompt}), 400, param="prompt"
+    )
     assert error["code"] == "context_length_exceeded"
     error = assert_error(
-        post(tiny_server, "/completions", json={"model": model, "prompt": "hi", "max_tokens": 600}), 400, param="max_tokens"
+        post(tiny_server, "/completions", json={"model": model, "prompt": "hi", "max_tokens": 600}),
+        400,
+        param="max_tokens",
     )
     assert error["code"] == "context_length_exceeded"
 
@@ -132,7 +143,9 @@ def test_body_over_the_limit_is_413(tiny_server, model):
             yield b"y" * 4096
         yield b'"}'
 
-    assert_error(post(tiny_server, "/completions", content=chunked(), headers={"content-type": "application/json"}), 413)
+    assert_error(
+        post(tiny_server, "/completions", content=chunked(), headers={"content-type": "application/json"}), 413
+    )
 
 
 async def test_engine_fault_fails_one_request_and_others_finish(tiny_server, model):
@@ -142,7 +155,9 @@ async def test_engine_fault_fails_one_request_and_others_finish(tiny_server, mod
             body = {"model": model, "prompt": "Hello world", "max_tokens": 12, "ignore_eos": True, **extra}
             return await http.post("/completions", json=body)
 
-        responses = await asyncio.gather(complete(), complete(fault="raise"), complete(), complete(fault="nan"), complete())
+        responses = await asyncio.gather(
+            complete(), complete(fault="raise"), complete(), complete(fault="nan"), complete()
+        )
     for index in (0, 2, 4):
         assert responses[index].status_code == 200
         assert responses[index].json()["usage"]["completion_tokens"] == 12

@@ -11,7 +11,9 @@ from specd_http import SpecdServer, finish_server, start_server
 
 
 def test_sigterm_lets_a_running_stream_finish_then_exits_0(tiny_llama_dir, tmp_path):
-    server = SpecdServer(["--model", str(tiny_llama_dir), "--dtype", "float32", "--shutdown-timeout", "60"], tmp_path / "log")
+    server = SpecdServer(
+        ["--model", str(tiny_llama_dir), "--dtype", "float32", "--shutdown-timeout", "60"], tmp_path / "log"
+    )
     try:
         server.wait_ready()
         body = {"model": str(tiny_llama_dir), "prompt": "Hello", "max_tokens": 150, "ignore_eos": True, "stream": True}
@@ -75,7 +77,9 @@ def test_a_draft_with_another_tokenizer_stops_start_up(tiny_llama_dir, tiny_draf
     bad = tmp_path / "bad-draft"
     AutoModelForCausalLM.from_pretrained(tiny_draft_dir).save_pretrained(bad)
     build_tokenizer(vocab_size=300).save_pretrained(bad)
-    server = SpecdServer(["--model", str(tiny_llama_dir), "--draft-model", str(bad), "--dtype", "float32"], tmp_path / "log")
+    server = SpecdServer(
+        ["--model", str(tiny_llama_dir), "--draft-model", str(bad), "--dtype", "float32"], tmp_path / "log"
+    )
     try:
         assert server.process.wait(timeout=120) == 1
         assert "incompatible" in server.log() and "tokenizer" in server.log()

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 from tiny_models import build_tokenizer
 
-from server.choices import Choice, usage_of
 from scheduler.types import FinishReason, RequestOutput, SamplingParams
+from server.choices import Choice, usage_of
 
 
 class FakeStream:

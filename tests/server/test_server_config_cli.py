@@ -7,12 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from specd_http import REPO
 
 from server.cli import build_parser, main
 from server.config import Settings, load_settings
 from server.errors import loc_to_param
-
-from specd_http import REPO
 
 
 @pytest.fixture
@@ -61,7 +60,7 @@ def test_every_setting_is_a_flag_with_help_and_fault_injection_is_hidden(capsys)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     help_text = capsys.readouterr().out
-    for name, field in Settings.model_fields.items():
+    for name in Settings.model_fields:
         flag = "--" + name.replace("_", "-")
         if name == "enable_fault_injection":
             assert flag not in help_text
@@ -105,8 +104,23 @@ def test_validation_locations_become_params(loc, param):
 def test_generate_prints_a_completion(tiny_llama_dir):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
     result = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "Hello world", "--model", str(tiny_llama_dir),
-         "--dtype", "float32", "--device", "cpu", "--max-tokens", "8", "--temperature", "0"],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "generate",
+            "Hello world",
+            "--model",
+            str(tiny_llama_dir),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+        ],  # fmt: skip
         cwd=REPO,
         env={**env, "HF_HUB_OFFLINE": "1"},
         capture_output=True,
