@@ -35,7 +35,8 @@ _NUM_FEATURES = 4 + _NUM_SLOPES
 _CTX_SCALE = 1e-3  # C is fitted per thousand keys, so all features have similar sizes
 _WIDTHS = np.diff(KNOTS)
 _KNOT_LIST = [float(k) for k in KNOTS]
-_WARMUP_STEPS = 20  # steps learned from before predictions are scored and outliers clipped
+_SKIPPED_STEPS = 1  # the first step after start-up pays one-off kernel set-up: never learned from
+_WARMUP_STEPS = 5  # steps learned from before predictions are scored and outliers clipped
 _OUTLIER_FACTOR = 3.0
 
 
@@ -107,6 +108,7 @@ class StepCostModel:
     _xy: np.ndarray = field(default_factory=lambda: np.zeros(_NUM_FEATURES))
     _mean: float = 0.0
     _slopes: list[float] = field(default_factory=lambda: [0.0] * _NUM_SLOPES)
+    num_seen: int = 0
     num_observed: int = 0
 
     @property
@@ -134,7 +136,8 @@ class StepCostModel:
         return max(float(self.coef[_DRAFT]), 0.0)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        if seconds <= 0:
+        self.num_seen += 1
+        if seconds <= 0 or self.num_seen <= _SKIPPED_STEPS:
             return
         if self.num_observed >= _WARMUP_STEPS:
             predicted = self.predict(shape)
