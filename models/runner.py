@@ -240,30 +240,30 @@ class ModelRunner:
 
     def _shadow_drafts(self, rows: list[ScheduledRow]) -> dict[int, list[int]]:
         """Unverified drafts for plain rows the policy wants to learn about (model-free proposers only)."""
-        shadows: dict[int, list[int]] = {}
+        drafts: list[Draft | None] = [None] * len(rows)
         want = [i for i, row in enumerate(rows) if row.num_shadow_tokens and row.sample and not row.num_spec_tokens]
-        for i in want:
-            request = rows[i].request
-            proposer = self.prediction if request.prediction_ids else self.proposer
-            if proposer is None or isinstance(proposer, DraftModelProposer):
-                continue
-            try:
-                (draft,) = proposer.propose([request], [rows[i].num_shadow_tokens])
-            except Exception:  # noqa: BLE001 - a shadow is only information
-                logger.exception("%s proposer failed on a shadow draft", proposer.method)
-                continue
-            if draft.token_ids:
-                shadows[i] = draft.token_ids
-        return shadows
+        with_prediction = [i for i in want if rows[i].request.prediction_ids]
+        plain = [i for i in want if not rows[i].request.prediction_ids]
+        for index, proposer in ((with_prediction, self.prediction), (plain, self.proposer)):
+            if index and proposer is not None and not isinstance(proposer, DraftModelProposer):
+                self._run_host(proposer, rows, index, drafts, [rows[i].num_shadow_tokens for i in index])
+        return {i: d.token_ids for i, d in enumerate(drafts) if d is not None}
 
     @staticmethod
     def _run_host(
-        proposer, rows: list[ScheduledRow], index: list[int], drafts: list[Draft | None]
+        proposer,
+        rows: list[ScheduledRow],
+        index: list[int],
+        drafts: list[Draft | None],
+        num_tokens: list[int] | None = None,
     ) -> list[Draft | None]:
+        """Fill `drafts[i]` for the rows at `index` (num_tokens each, default the row's num_spec_tokens)."""
         if not index:
             return drafts
+        if num_tokens is None:
+            num_tokens = [rows[i].num_spec_tokens for i in index]
         try:
-            proposed = proposer.propose([rows[i].request for i in index], [rows[i].num_spec_tokens for i in index])
+            proposed = proposer.propose([rows[i].request for i in index], num_tokens)
         except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
             logger.exception("%s proposer failed; these rows decode plainly this step", proposer.method)
             return drafts
