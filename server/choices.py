@@ -96,11 +96,13 @@ class Choice:
         if out.finished and out.finish_reason is FinishReason.ERROR:
             self.finish_reason = "error"
             raise EngineError(f"the engine failed this request: {out.error or 'unknown error'}", code="engine_error")
-        # Token by token, so a stop string can be traced to the token that completed it.
         piece, token_ends = "", []
-        for token_id in out.new_token_ids:
-            piece += self._detokenizer.push([token_id])
-            token_ends.append(self._num_decoded + len(piece))
+        if self._stops.active:  # token by token, so a stop string can be traced to the token that completed it
+            for token_id in out.new_token_ids:
+                piece += self._detokenizer.push([token_id])
+                token_ends.append(self._num_decoded + len(piece))
+        elif out.new_token_ids:
+            piece = self._detokenizer.push(out.new_token_ids)
         if out.finished:
             piece += self._detokenizer.flush()
         if self.want_logprobs and out.new_token_ids:

@@ -74,6 +74,10 @@ class StopStringMatcher:
         self._consumed = 0  # characters pushed so far
         self.stop_end: int | None = None  # where the matched stop string ends, in characters of the output
 
+    @property
+    def active(self) -> bool:
+        return bool(self._stops)
+
     def push(self, text: str) -> tuple[str, bool]:
         """The text safe to show now, and whether a stop string matched (the output ends)."""
         if not self._stops:
