@@ -65,6 +65,10 @@ class Calibration:
         self.relative_error = error if self.num_steps == 1 else 0.95 * self.relative_error + 0.05 * error
 
 
+def _bucket(num_tokens: int) -> int:
+    return max(bisect.bisect_right(_KNOT_LIST, num_tokens + 0.5) - 1, 0)
+
+
 def _features(shape: StepShape) -> np.ndarray:
     x = np.zeros(_NUM_FEATURES)
     t = float(max(shape.num_tokens, 1))
@@ -108,6 +112,8 @@ class StepCostModel:
     _xy: np.ndarray = field(default_factory=lambda: np.zeros(_NUM_FEATURES))
     _mean: float = 0.0
     _slopes: list[float] = field(default_factory=lambda: [0.0] * _NUM_SLOPES)
+    # Decayed count of recent plain (non-verify) steps per token bucket [knot, next knot).
+    _plain_support: list[float] = field(default_factory=lambda: [0.0] * len(_KNOT_LIST))
     num_seen: int = 0
     num_observed: int = 0
 
@@ -121,8 +127,13 @@ class StepCostModel:
     def marginal_token_cost(self, num_tokens: int) -> float:
         """Seconds one more token adds to a step of `num_tokens` tokens: f's slope
         there. Plain Python (the policy asks once per candidate draft token)."""
-        k = bisect.bisect_right(_KNOT_LIST, num_tokens + 0.5) - 1
-        return self._slopes[min(max(k, 0), _NUM_SLOPES - 1)]
+        return self._slopes[min(_bucket(num_tokens), _NUM_SLOPES - 1)]
+
+    def plain_support(self, num_tokens: int) -> float:
+        """How many plain steps of about this size (same knot bucket) the model
+        saw recently, decayed at the fit's own rate: below 1, a plain step of
+        this size is extrapolated rather than measured."""
+        return self._plain_support[_bucket(num_tokens)]
 
     def tokens_cost(self, num_tokens: int) -> float:
         return self.predict(StepShape(num_tokens))
@@ -148,6 +159,9 @@ class StepCostModel:
                 seconds = min(max(seconds, predicted / _OUTLIER_FACTOR), predicted * _OUTLIER_FACTOR)
         x = _features(shape)
         keep = 1.0 - self.weight
+        self._plain_support = [keep * w for w in self._plain_support]
+        if not shape.is_spec:
+            self._plain_support[_bucket(shape.num_tokens)] += 1.0
         self._xx = keep * self._xx + self.weight * np.outer(x, x)
         self._xy = keep * self._xy + self.weight * x * seconds
         self._mean = seconds if not self.num_observed else keep * self._mean + self.weight * seconds

@@ -18,11 +18,16 @@ Rule (documented in README, "How `auto` decides"):
   (`scheduler.cost_model`): the slope of the step's time in its tokens at this
   step's size, plus a draft model's forward when the token needs one more.
   Candidate draft positions of all auto rows are taken greedily by
-  decreasing g while each raises the step's expected tokens per second
-  (g * S > dS * E, S the step's predicted time, E its expected tokens); the
-  step speculates only if the whole, its fixed verify cost included, beats
-  the plain step. So a copying row drafts long in a large batch while a
-  creative row next to it drafts nothing.
+  decreasing g while each raises the decode rows' expected tokens per
+  second (g * S > dS * E, S the decode rows' predicted time, E their
+  expected tokens; a prefill chunk in the step is paid either way and is
+  left out of S). The step speculates only if the whole, its fixed verify
+  cost included, beats the plain step by more than the cost model's recent
+  error. So a copying row drafts long in a large batch while a creative row
+  next to it drafts nothing.
+* The plain step is only known if the model saw one of about this size
+  lately; while it speculates every step it does not, so when none was seen
+  and speculation's edge is under 2x, one step runs plain to measure it.
 * A row that does not draft still learns: a model-free proposer (n-gram,
   Predicted Outputs) makes a *shadow* draft for it, which the row's next
   emitted tokens confirm or refute at no verify cost, so acceptance that
@@ -35,12 +40,24 @@ Rule (documented in README, "How `auto` decides"):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.types import MAX_SPEC_TOKENS, Request
 
 MODEL_FREE_PROPOSERS = ("ngram", "prediction")
+# A verify step is compared with a plain step of the same rows, whose cost the
+# model only knows if it saw such steps: while it speculates every step it does
+# not. So when plain steps of this size are unseen lately (decayed count below
+# EXPLORE_BELOW) and speculation's predicted edge is under EXPLORE_MARGIN, the
+# step runs plain once to measure it (about one step in 35 while that lasts).
+EXPLORE_BELOW = 0.5
+EXPLORE_MARGIN = 2.0
+# A verify step must beat the plain step by the model's own recent error: the
+# plans chosen are the ones whose gains were overestimated (a maximum over noisy
+# estimates is biased up), and a call inside the error is a coin flip that
+# costs a verify step's fixed price when it loses.
+MIN_EDGE = 0.05
 
 
 @dataclass
@@ -106,6 +123,7 @@ class StepPlan:
     expected_tokens: float
     predicted_seconds: float | None
     num_rows: int = 0  # decode rows the expectation covers
+    edge: float = 1.0  # predicted tokens per second of the chosen step over the plain step's
 
 
 @dataclass
@@ -149,6 +167,7 @@ class SpecPolicy:
     tokens: TokenCalibration = field(default_factory=TokenCalibration)
     _state: dict[str, AcceptanceState] = field(default_factory=dict)
     _recent: dict[str, PositionCounts] = field(default_factory=dict)  # by proposer method
+    num_explored: int = 0  # steps run plain to measure a plain step's cost
 
     @property
     def has_proposer(self) -> bool:
@@ -214,7 +233,13 @@ class SpecPolicy:
         return ks, plan
 
     def _choose(self, requests, candidates, ks, budget, base: StepShape) -> tuple[StepPlan, int]:
-        """Greedy by decreasing gain while a token raises the step's tokens per second."""
+        """Greedy by decreasing gain while a token raises the decode rows' tokens per second.
+
+        The ratio is taken over the decode rows' own time: a prefill chunk in the
+        step is paid with or without drafts, and counting it would make drafts
+        look cheap exactly when a long prompt arrives. A token's price is still
+        f's slope at the whole step's size.
+        """
         forced = sum(ks)
         expected = float(len(requests))  # forced drafts count as gain-free here
         tokens = base.num_tokens + forced
@@ -222,10 +247,15 @@ class SpecPolicy:
         draft_positions = max((k for k, r in zip(ks, requests) if self.method_of(r) == "draft_model"), default=0)
         cost = self.cost
         if cost.is_fitted:
-            seconds = cost.predict(StepShape(tokens, base.num_context, already_spec, draft_positions))
+            decode_context = sum(r.num_computed_tokens + 1 for r in requests) + forced
+            decode = StepShape(len(requests) + forced, decode_context, already_spec, draft_positions)
+            seconds = cost.predict(decode)
+            prefill_seconds = max(
+                cost.predict(replace(decode, num_tokens=tokens, num_context=base.num_context + forced)) - seconds, 0.0
+            )
             spec_cost, draft_cost = cost.spec_cost, cost.draft_forward_cost
         else:  # nothing measured yet: a memory-bound guess (a token costs 2% of a step)
-            seconds, spec_cost, draft_cost = 1.0, 0.0, 0.0
+            seconds, prefill_seconds, spec_cost, draft_cost = 1.0, 0.0, 0.0, 0.0
         plain_seconds, plain_expected = seconds, expected
         chosen = [0] * len(requests)
         for gain, i in sorted(candidates, key=lambda c: -c[0]):
@@ -243,15 +273,21 @@ class SpecPolicy:
             seconds += extra
             tokens += 1
             budget -= 1
+        edge = 1.0
         if any(chosen) and not already_spec:
             seconds += spec_cost  # the first draft makes this a verify step
-            if expected / seconds <= plain_expected / plain_seconds:
+            edge = (expected / seconds) / (plain_expected / plain_seconds)
+            explore = cost.is_fitted and edge < EXPLORE_MARGIN and cost.plain_support(base.num_tokens) < EXPLORE_BELOW
+            margin = max(cost.calibration.relative_error, MIN_EDGE) if cost.calibration.num_steps else MIN_EDGE
+            if edge <= 1.0 + margin or explore:
+                self.num_explored += edge > 1.0 + margin
                 budget += sum(chosen)
-                chosen, expected, seconds = [0] * len(requests), plain_expected, plain_seconds
+                chosen, expected, seconds, edge = [0] * len(requests), plain_expected, plain_seconds, 1.0
         for i, k in enumerate(chosen):
             if k:
                 ks[i] = k
-        return StepPlan(expected, seconds if cost.is_fitted else None, len(requests)), budget
+        predicted = seconds + prefill_seconds if cost.is_fitted else None
+        return StepPlan(expected, predicted, len(requests), edge), budget
 
     def _probe_due(self, request: Request, k: int) -> bool:
         """Whether a row that stopped drafting, and cannot shadow, should draft one token now."""
@@ -356,6 +392,7 @@ class SpecPolicy:
             "cost_model": self.cost.summary(),
             "expected_tokens_per_step": round(t.expected / t.num_steps, 3) if t.num_steps else None,
             "gain_scale": round(t.scale, 3),
+            "plain_steps_explored": self.num_explored,
             "emitted_tokens_per_step": round(t.emitted / t.num_steps, 3) if t.num_steps else None,
             "recent_acceptance_by_proposer": {
                 method: round(counts.accepted[0] / counts.reached[0], 3)
