@@ -65,6 +65,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, proposer: str = "ngram"):
         """`proposer`: the runner's proposer method ("ngram", "draft_model" or "none")."""
         self.config = config
+        self.proposer = proposer
         self.policy = SpecPolicy(config.spec, proposer)
         self.last_plan: StepPlan | None = None
         self.last_check: StepCheck | None = None
@@ -122,6 +123,34 @@ class Scheduler:
 
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
+
+    def speculation_settings(self) -> dict:
+        """The speculation settings in force, as GET /v1/speculation names them."""
+        spec = self.config.spec
+        return {
+            "proposer": self.proposer,
+            "num_speculative_tokens": spec.num_speculative_tokens,
+            "spec_disable_batch_size": spec.spec_disable_batch_size,
+            "adaptive": spec.adaptive,
+        }
+
+    def describe_speculation(self) -> str:
+        """One line for the startup log."""
+        spec = self.config.spec
+        cap = spec.spec_disable_batch_size
+        if cap == 0:
+            auto = "never speculate (cap 0)"
+        else:
+            limit = f", while at most {cap} requests run" if cap is not None else " (no batch-size cap)"
+            auto = "decide per request from acceptance and the step's learned cost" + limit
+        return (
+            f"proposer={self.proposer} num_speculative_tokens={spec.num_speculative_tokens} "
+            f"adaptive={spec.adaptive}; auto rows {auto}"
+        )
+
+    def policy_summary(self) -> dict:
+        """The policy's own view (cost model, calibration, recent acceptance)."""
+        return self.policy.summary()
 
     # -- schedule --
     def schedule(self) -> tuple[Batch, list[RequestOutput]]:

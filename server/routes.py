@@ -85,24 +85,7 @@ async def speculation(request: Request) -> SpeculationInfo:
     engine = state.engine
     if engine is None:
         raise ServiceUnavailableError("the model is still loading", code="model_loading")
-    spec = engine.spec_config
-    totals = engine.totals
-    return SpeculationInfo(
-        proposer=engine.executor.proposer_name,
-        num_speculative_tokens=spec.num_speculative_tokens,
-        spec_disable_batch_size=spec.spec_disable_batch_size,
-        adaptive=spec.adaptive,
-        spec_enabled=engine.last_step_speculated,
-        acceptance_rate=totals.num_accepted_tokens / totals.num_draft_tokens if totals.num_draft_tokens else None,
-        mean_acceptance_length=1 + totals.num_accepted_tokens / totals.num_drafts if totals.num_drafts else None,
-        num_drafts=totals.num_drafts,
-        num_draft_tokens=totals.num_draft_tokens,
-        num_accepted_tokens=totals.num_accepted_tokens,
-        requests_running=engine.num_running,
-        requests_waiting=engine.num_waiting,
-        kv_cache_usage=engine.kv_usage,
-        policy=engine.policy_summary(),
-    )
+    return SpeculationInfo(**engine.speculation_info())
 
 
 @router.post("/v1/completions")

@@ -38,7 +38,7 @@ def snapshot(state) -> dict:
     proposer = getattr(engine.executor, "proposer", None)
     counts.update(
         streams=len(engine._streams),
-        timings=len(engine._timing),
+        timings=engine.recorder.num_tracked,
         requests=len(scheduler._requests),
         waiting=len(scheduler.waiting),
         running=len(scheduler.running),

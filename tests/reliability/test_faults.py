@@ -264,7 +264,7 @@ async def test_an_abort_in_a_failing_step_is_still_accounted(target):
                 break
             await asyncio.sleep(0.01)
         assert sorted(f.finish_reason.value for f in finished) == ["abort", "error"]
-        assert engine._timing == {} and engine._streams == {}
+        assert engine.recorder.num_tracked == 0 and engine._streams == {}
     finally:
         await engine.stop(timeout=1)
 
@@ -289,6 +289,6 @@ async def test_a_request_that_finishes_in_a_one_row_rerun_is_accounted(target):
         assert short_outs[-1].finish_reason is FinishReason.LENGTH and short_outs[-1].num_output_tokens == 1
         assert culprit_outs[-1].finish_reason is FinishReason.ERROR
         assert sorted(f.finish_reason.value for f in finished) == ["error", "length"]
-        assert engine._timing == {} and engine._streams == {}
+        assert engine.recorder.num_tracked == 0 and engine._streams == {}
     finally:
         await engine.stop(timeout=1)
