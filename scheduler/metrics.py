@@ -254,18 +254,6 @@ class MetricsObserver:
             tpot = (finished.e2e_seconds - ttft) / (finished.num_output_tokens - 1)
             self._tpot.labels(model).observe(max(tpot, 0.0))
 
-    def record_aborted_before_start(self, e2e_seconds: float) -> None:
-        """A request that left the waiting queue without running a step."""
-        self.record_finished(
-            FinishedRequestStats(
-                finish_reason=FinishReason.ABORT,
-                e2e_seconds=e2e_seconds,
-                ttft_seconds=None,
-                num_prompt_tokens=0,
-                num_output_tokens=0,
-            )
-        )
-
     def set_queue_state(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
         """Scheduler gauges; also callable between steps (e.g. when idle)."""
         model = self.model_name

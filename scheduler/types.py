@@ -150,10 +150,6 @@ class Request:
         return len(self.prompt_ids)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
@@ -202,14 +198,6 @@ class Batch:
     rows: list[ScheduledRow]
     # Requests that left since the last step: the runner drops their state.
     finished_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(r.token_ids) + r.num_spec_tokens for r in self.rows)
-
-    @property
-    def is_spec(self) -> bool:
-        return any(r.num_spec_tokens > 0 for r in self.rows)
 
 
 @dataclass

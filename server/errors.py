@@ -50,11 +50,6 @@ class BadRequestError(APIError):
     pass
 
 
-class AuthenticationError(APIError):
-    status_code = 401
-    error_type = "authentication_error"
-
-
 class NotFoundError(APIError):
     status_code = 404
 

@@ -205,10 +205,12 @@ def test_gauges_follow_the_last_step_and_queue_state(observer):
 
 
 def test_abort_before_start_and_zero_token_rows(observer):
-    observer.record_aborted_before_start(e2e_seconds=0.7)
+    aborted = FinishedRequestStats(
+        FinishReason.ABORT, e2e_seconds=0.7, ttft_seconds=None, num_prompt_tokens=0, num_output_tokens=0
+    )
     observer.observe(
         StepStats(step_seconds=0.01, batch_size=0, num_running=0, num_waiting=0,
-                  kv_usage=0.0, mode="plain", token_gaps=[(0, 0.5)])
+                  kv_usage=0.0, mode="plain", token_gaps=[(0, 0.5)], finished=[aborted])
     )  # fmt: skip
     fams = families(observer)
     assert value(fams, "specd_requests_total", finish_reason="abort") == 1
