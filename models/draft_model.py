@@ -25,12 +25,11 @@ from models.sampling import (
     STREAM_DRAFT,
     SamplingTensors,
     greedy_ids,
-    plan_token_counts,
+    plan_penalty_counts,
     process_logits,
-    resolve_token_counts,
+    resolve_penalty_counts,
     sample_from_probs,
     uniform_noise,
-    uses_penalties,
 )
 from models.transfer import DeviceArrays, HostBuffer
 from scheduler.types import Request
@@ -102,10 +101,7 @@ class DraftModelProposer:
         buf.ints(f"{prefix}.out_len", [len(r.output_ids) for r in requests])
         params = [r.params for r in requests]
         SamplingTensors.plan(params, self.vocab_size, buf, f"{prefix}.s")
-        penalties = any(uses_penalties(p) for p in params)
-        if penalties:
-            plan_token_counts([r.output_ids for r in requests], buf, f"{prefix}.out")
-            plan_token_counts([r.prompt_ids for r in requests], buf, f"{prefix}.prompt")
+        penalties = plan_penalty_counts(requests, buf, prefix)
         return DraftPlan(
             prefix=prefix,
             requests=requests,
@@ -126,8 +122,7 @@ class DraftModelProposer:
         st = SamplingTensors.resolve(params, vocab, arrays, f"{p}.s")
         counts = prompt_mask = None
         if plan.penalties:
-            counts = resolve_token_counts(num_rows, vocab, arrays, f"{p}.out")
-            prompt_mask = resolve_token_counts(num_rows, vocab, arrays, f"{p}.prompt") > 0
+            counts, prompt_mask = resolve_penalty_counts(num_rows, vocab, arrays, p)
         out_len = arrays[f"{p}.out_len"]
         drafted = torch.zeros(num_rows, plan.k_max, dtype=torch.long, device=device)
         q = torch.zeros(num_rows, plan.k_max, vocab, device=device) if plan.any_sampled else None

@@ -34,12 +34,11 @@ from models.sampling import (
     STREAM_SAMPLE,
     SamplingTensors,
     greedy_ids,
-    plan_token_counts,
+    plan_penalty_counts,
     process_logits,
-    resolve_token_counts,
+    resolve_penalty_counts,
     sample_from_probs,
     uniform_noise,
-    uses_penalties,
 )
 from models.transfer import DeviceArrays, HostBuffer, download
 from scheduler.types import Batch, RowOutput, ScheduledRow, StepOutput
@@ -292,9 +291,7 @@ class ModelRunner:
             buf.ints("draft_grid", grid)
             position = {row: r for r, row in enumerate(plan.sample_rows)}
             buf.ints("draft_sample_rows", [position[i] for i in plan.draft_rows])
-        if any(uses_penalties(p) for p in params):
-            plan_token_counts([r.output_ids for r in requests], buf, "counts.out")
-            plan_token_counts([r.prompt_ids for r in requests], buf, "counts.prompt")
+        plan_penalty_counts(requests, buf, "counts")
         nan_rows = [r for r, i in enumerate(plan.sample_rows) if self._maybe_inject_fault(rows[i], "nan")]
         if nan_rows:
             buf.ints("nan_rows", nan_rows)
@@ -317,7 +314,7 @@ class ModelRunner:
         num_rows, device = len(requests), logits.device
         st = SamplingTensors.resolve([r.params for r in requests], vocab, arrays, "s")
         want_logprobs = any(r.params.logprobs is not None for r in requests)
-        if n_max > 1 and st.all_greedy and st.no_penalties and st.no_logit_bias and not want_logprobs:
+        if n_max > 1 and st.all_greedy and not (st.has_penalties or st.has_logit_bias or want_logprobs):
             if "nan_rows" not in arrays:
                 return self._verify_greedy_packed(plan, arrays, logits, device_draft)
         if n_max == 1:
@@ -329,9 +326,8 @@ class ModelRunner:
         if "nan_rows" in arrays:
             grid[arrays["nan_rows"]] = float("nan")
         output_counts = prompt_mask = None
-        if not st.no_penalties:
-            output_counts = resolve_token_counts(num_rows, vocab, arrays, "counts.out")
-            prompt_mask = resolve_token_counts(num_rows, vocab, arrays, "counts.prompt") > 0
+        if st.has_penalties:
+            output_counts, prompt_mask = resolve_penalty_counts(num_rows, vocab, arrays, "counts")
         num_draft = arrays["num_draft"]
         draft_ids = self._draft_ids(arrays, num_rows, n_max, device_draft) if n_max > 1 else None
         if st.all_greedy:  # p and q are one-hot: compare argmaxes, no probabilities

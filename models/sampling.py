@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from models.transfer import DeviceArrays, HostBuffer
-from scheduler.types import SamplingParams
+from scheduler.types import Request, SamplingParams
 
 STREAM_SAMPLE = 0
 STREAM_ACCEPT = 1
@@ -38,7 +38,7 @@ MIN_REPETITION_PENALTY = 1e-6
 class SamplingTensors:
     """Per-row sampling parameters as tensors for one step. R = rows.
 
-    The `no_*` / `*_greedy` flags are host booleans computed from the params,
+    The `has_*` / `*_greedy` flags are host booleans computed from the params,
     so a batch that uses no penalty, no filter or no bias skips that work
     entirely. The tensors come from the step's one upload (`plan` adds the
     host arrays to a `HostBuffer`, `resolve` reads them back on the device).
@@ -56,14 +56,14 @@ class SamplingTensors:
     logit_bias: Tensor | None  # [R, V] float32, None when no row has a bias
     all_greedy: bool
     any_greedy: bool
-    no_top_k: bool  # among sampled (non-greedy) rows
-    no_top_p: bool
-    no_min_p: bool
-    no_penalties: bool
+    has_top_k: bool  # among sampled (non-greedy) rows
+    has_top_p: bool
+    has_min_p: bool
+    has_penalties: bool
 
     @property
-    def no_logit_bias(self) -> bool:
-        return self.logit_bias is None
+    def has_logit_bias(self) -> bool:
+        return self.logit_bias is not None
 
     @staticmethod
     def plan(params: list[SamplingParams], vocab_size: int, buf: HostBuffer, prefix: str) -> None:
@@ -109,10 +109,10 @@ class SamplingTensors:
             logit_bias=logit_bias,
             all_greedy=all(greedy),
             any_greedy=any(greedy),
-            no_top_k=not any(0 < p.top_k < vocab_size for p in sampled),
-            no_top_p=all(p.top_p >= 1.0 for p in sampled),
-            no_min_p=all(p.min_p <= 0.0 for p in sampled),
-            no_penalties=not any(uses_penalties(p) for p in params),
+            has_top_k=any(0 < p.top_k < vocab_size for p in sampled),
+            has_top_p=any(p.top_p < 1.0 for p in sampled),
+            has_min_p=any(p.min_p > 0.0 for p in sampled),
+            has_penalties=any(uses_penalties(p) for p in params),
         )
 
     @classmethod
@@ -140,10 +140,10 @@ class SamplingTensors:
             else self.logit_bias[index],
             all_greedy=all(p.is_greedy for p in params),
             any_greedy=any(p.is_greedy for p in params),
-            no_top_k=self.no_top_k or not any(p.top_k > 0 for p in sampled),
-            no_top_p=all(p.top_p >= 1.0 for p in sampled),
-            no_min_p=all(p.min_p <= 0.0 for p in sampled),
-            no_penalties=not any(uses_penalties(p) for p in params),
+            has_top_k=self.has_top_k and any(p.top_k > 0 for p in sampled),
+            has_top_p=any(p.top_p < 1.0 for p in sampled),
+            has_min_p=any(p.min_p > 0.0 for p in sampled),
+            has_penalties=any(uses_penalties(p) for p in params),
         )
 
 
@@ -176,6 +176,23 @@ def resolve_token_counts(num_rows: int, vocab_size: int, arrays: DeviceArrays, p
     return counts
 
 
+def plan_penalty_counts(requests: list[Request], buf: HostBuffer, prefix: str) -> bool:
+    """When any row uses a penalty, add the rows' output and prompt tokens to the
+    step's upload (for `resolve_penalty_counts`); returns whether it did."""
+    if not any(uses_penalties(r.params) for r in requests):
+        return False
+    plan_token_counts([r.output_ids for r in requests], buf, f"{prefix}.out")
+    plan_token_counts([r.prompt_ids for r in requests], buf, f"{prefix}.prompt")
+    return True
+
+
+def resolve_penalty_counts(num_rows: int, vocab_size: int, arrays: DeviceArrays, prefix: str) -> tuple[Tensor, Tensor]:
+    """Output token counts `[R, V]` and the prompt-token mask `[R, V]` that `plan_penalty_counts` planned."""
+    output_counts = resolve_token_counts(num_rows, vocab_size, arrays, f"{prefix}.out")
+    prompt_mask = resolve_token_counts(num_rows, vocab_size, arrays, f"{prefix}.prompt") > 0
+    return output_counts, prompt_mask
+
+
 def build_token_counts(histories: list[list[int]], vocab_size: int, device: torch.device | str) -> Tensor:
     """Per-row token counts `[R, V]` int32 from token lists (plan, upload, resolve)."""
     buf = HostBuffer()
@@ -195,7 +212,7 @@ def process_logits(
     `output_counts` `[R, V]` counts the tokens generated so far (presence and
     frequency penalties, OpenAI semantics); `prompt_mask` `[R, V]` marks prompt
     tokens (the repetition penalty sees prompt and output, as HF/vLLM). Both
-    may be None when `st.no_penalties`. Position j of a verify row has also
+    may be None when not `st.has_penalties`. Position j of a verify row has also
     seen `draft_ids[:, :j]` (`[R, n - 1]`; ids outside the vocabulary are
     padding and count for nothing), so every position is penalised exactly as
     plain decoding would penalise it. Greedy rows come back exactly one-hot.
@@ -219,7 +236,7 @@ def greedy_ids(
     """Argmax of the processed logits `[R, n, V]` -> `[R, n]`: the all-greedy fast
     path, equal to sampling from `process_logits` (exactly one-hot) with any u,
     without materialising probabilities."""
-    if st.no_logit_bias and st.no_penalties:
+    if not (st.has_logit_bias or st.has_penalties):
         return logits.argmax(dim=-1)
     return _biased_and_penalised(logits, st, output_counts, prompt_mask, draft_ids).argmax(dim=-1)
 
@@ -228,7 +245,7 @@ def _biased_and_penalised(logits, st, output_counts, prompt_mask, draft_ids) -> 
     logits = logits.to(torch.float32, copy=True)  # [R, n, V]
     if st.logit_bias is not None:
         logits += st.logit_bias[:, None, :]
-    if not st.no_penalties:
+    if st.has_penalties:
         _apply_penalties(logits, st, output_counts, prompt_mask, draft_ids)
     return logits
 
@@ -272,9 +289,9 @@ def _filtered_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
     # Greedy rows are replaced by the caller; divide them by 1, not 0.
     temperature = torch.where(st.is_greedy, torch.ones_like(st.temperature), st.temperature)
     logits = logits / temperature[:, None, None]  # [R, n, V]
-    if not (st.no_top_k and st.no_top_p):
-        logits = _top_k_top_p(logits, st.top_k, st.top_p, st.no_top_p)
-    if not st.no_min_p:
+    if st.has_top_k or st.has_top_p:
+        logits = _top_k_top_p(logits, st.top_k, st.top_p, st.has_top_p)
+    if st.has_min_p:
         # p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p); log(0) = -inf keeps all.
         threshold = logits.amax(dim=-1, keepdim=True) + torch.log(st.min_p)[:, None, None]
         logits = logits.masked_fill(logits < threshold, float("-inf"))
@@ -283,14 +300,14 @@ def _filtered_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
     return logits.softmax(dim=-1)
 
 
-def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, no_top_p: bool) -> Tensor:
+def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, has_top_p: bool) -> Tensor:
     """Both filters from one descending sort per row-position. top_k 0 / top_p 1 = off."""
     vocab_size = logits.shape[-1]
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # [R, n, V]
     ranks = torch.arange(vocab_size, device=logits.device)  # [V]
     k = torch.where(top_k > 0, top_k, vocab_size)  # [R]
     sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None, None], float("-inf"))
-    if not no_top_p:
+    if has_top_p:
         # Keep the smallest prefix whose mass reaches top_p: a token stays while
         # the mass strictly before it is < top_p, so the top token always stays.
         sorted_probs = sorted_logits.softmax(dim=-1)

@@ -97,15 +97,15 @@ def test_from_params_packs_rows_and_flags():
     assert st_.top_k.tolist() == [5, 0, 0]  # -1 and >= V mean off
     assert st_.is_greedy.tolist() == [True, False, False]
     assert st_.seeds.tolist() == [1, 2, 3]
-    assert st_.no_top_k  # the only top_k is on a greedy row
-    assert not st_.no_top_p and st_.no_min_p and not st_.no_penalties
+    assert not st_.has_top_k  # the only top_k is on a greedy row
+    assert st_.has_top_p and not st_.has_min_p and st_.has_penalties
     assert not st_.all_greedy and st_.any_greedy
     # Out-of-vocabulary bias ids are dropped.
     assert st_.logit_bias.shape == (3, V) and st_.logit_bias[1, 3].item() == 2.0
     assert st_.logit_bias.abs().sum().item() == 2.0
 
     plain = make_st([SamplingParams(seed=0)] * 2)
-    assert plain.no_top_k and plain.no_top_p and plain.no_min_p and plain.no_penalties and plain.no_logit_bias
+    assert not (plain.has_top_k or plain.has_top_p or plain.has_min_p or plain.has_penalties or plain.has_logit_bias)
 
 
 def test_build_token_counts():
