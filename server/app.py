@@ -79,11 +79,11 @@ def build_components(settings: Settings) -> Components:
     scheduler_config = SchedulerConfig(
         max_num_seqs=settings.max_num_seqs,
         max_model_len=runner.config.max_model_len,
-        max_num_batched_tokens=settings.num_batched_tokens,
+        max_num_batched_tokens=settings.resolved_max_num_batched_tokens,
         max_queue=settings.max_queue,
         eos_token_ids=loaded.eos_token_ids,
         spec=SpecConfig(
-            num_speculative_tokens=settings.speculative_tokens,
+            num_speculative_tokens=settings.resolved_num_speculative_tokens,
             spec_disable_batch_size=settings.spec_disable_batch_size,
             adaptive=settings.spec_adaptive,
         ),
@@ -163,7 +163,7 @@ class AppState:
 def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -> FastAPI:
     """`on_fatal` is called if the model cannot be loaded (the CLI then exits 1)."""
     names = served_names(settings)
-    metrics = MetricsObserver(names[0], num_speculative_tokens=settings.speculative_tokens)
+    metrics = MetricsObserver(names[0], num_speculative_tokens=settings.resolved_num_speculative_tokens)
     state = AppState(settings=settings, metrics=metrics, names=names, on_fatal=on_fatal)
 
     @asynccontextmanager

@@ -94,14 +94,6 @@ class Settings(BaseSettings):
         "for auto ones (default: 10 with ngram, 4 with a draft model).",
     )
 
-    @property
-    def speculative_tokens(self) -> int:
-        """K, resolved: prompt lookup drafts are free to propose, a draft model's cost a forward each."""
-        if self.num_speculative_tokens is not None:
-            return self.num_speculative_tokens
-        uses_draft_model = self.draft == "draft_model" or (self.draft is None and self.draft_model)
-        return 4 if uses_draft_model else 10
-
     spec_disable_batch_size: int | None = Field(
         None,
         ge=0,
@@ -145,8 +137,17 @@ class Settings(BaseSettings):
             raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs")
         return self
 
+    # -- resolved values: `resolved_<field>` is <field> with its default filled in --
     @property
-    def num_batched_tokens(self) -> int:
+    def resolved_num_speculative_tokens(self) -> int:
+        """K: prompt lookup drafts are free to propose, a draft model's cost a forward each."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        uses_draft_model = self.draft == "draft_model" or (self.draft is None and self.draft_model)
+        return 4 if uses_draft_model else 10
+
+    @property
+    def resolved_max_num_batched_tokens(self) -> int:
         return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
 
     @property

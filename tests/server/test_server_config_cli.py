@@ -133,10 +133,10 @@ def test_generate_prints_a_completion(tiny_llama_dir):
 
 
 def test_speculative_tokens_default_depends_on_the_proposer():
-    assert Settings().speculative_tokens == 10  # ngram drafts cost nothing to propose
-    assert Settings(draft_model="some/draft").speculative_tokens == 4  # each draft token is a forward
-    assert Settings(draft="draft_model", draft_model="d").speculative_tokens == 4
-    assert Settings(draft_model="d", num_speculative_tokens=6).speculative_tokens == 6
+    assert Settings().resolved_num_speculative_tokens == 10  # ngram drafts cost nothing to propose
+    assert Settings(draft_model="some/draft").resolved_num_speculative_tokens == 4  # each draft token is a forward
+    assert Settings(draft="draft_model", draft_model="d").resolved_num_speculative_tokens == 4
+    assert Settings(draft_model="d", num_speculative_tokens=6).resolved_num_speculative_tokens == 6
 
 
 def test_spec_cap_defaults_to_none_and_is_taken_as_given():
