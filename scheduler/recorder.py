@@ -49,7 +49,6 @@ class StepRecorder:
     def __init__(self, scheduler: Scheduler, observer: Callable[[StepStats], None] | None = None):
         self.scheduler = scheduler  # read for the queue gauges and the policy's step check
         self.observer = observer
-        self.num_steps = 0
         self.totals = SpecCounts()  # speculation since start, all methods
         self.last_step_speculated = False
         self._timing: dict[str, _Timing] = {}
@@ -94,7 +93,6 @@ class StepRecorder:
 
     def step(self, batch: Batch, output: StepOutput, outputs: list[RequestOutput], step_seconds: float) -> None:
         """A step ran `batch` in `step_seconds` and emitted `outputs` (after `Scheduler.update`)."""
-        self.num_steps += 1
         spec: dict[str, SpecCounts] = {}
         for row_out in output.rows:
             if row_out.method:

@@ -1,0 +1,79 @@
+"""StepRecorder: request timing and StepStats from published outputs, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.recorder import StepRecorder
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.types import (
+    Batch,
+    FinishReason,
+    Request,
+    RequestOutput,
+    RowOutput,
+    SamplingParams,
+    ScheduledRow,
+    StepOutput,
+    StepStats,
+)
+
+
+@pytest.fixture
+def recorded() -> tuple[StepRecorder, list[StepStats]]:
+    seen: list[StepStats] = []
+    return StepRecorder(Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64)), seen.append), seen
+
+
+def out(request_id: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+    return RequestOutput(
+        request_id,
+        tokens,
+        finished=finished,
+        finish_reason=FinishReason.LENGTH if finished else None,
+        num_prompt_tokens=3,
+        num_output_tokens=2,
+    )
+
+
+def test_first_token_is_timed_once_and_gaps_follow(recorded):
+    recorder, seen = recorded
+    recorder.arrived("a")
+    request = Request("a", [1, 2, 3], SamplingParams(max_tokens=2, seed=0))
+    batch = Batch(rows=[ScheduledRow(request, [1, 2, 3], 0, sample=True)])
+    step = StepOutput(rows=[RowOutput("a", [7], method="ngram", num_draft_tokens=2, num_accepted_tokens=1)])
+    recorder.published([out("a", [7])])
+    recorder.step(batch, step, [out("a", [7])], 0.01)
+    recorder.published([out("a", [8, 9], finished=True)])
+    recorder.step(batch, StepOutput(rows=[RowOutput("a", [8, 9])]), [out("a", [8, 9], finished=True)], 0.02)
+
+    first, second = seen
+    assert len(first.first_token_latencies) == 1 and not first.token_gaps and first.mode == "spec"
+    assert first.num_prompt_tokens == 3 and first.num_generation_tokens == 1
+    assert second.first_token_latencies == [] and [n for n, _ in second.token_gaps] == [2]
+    (done,) = second.finished
+    assert done.finish_reason is FinishReason.LENGTH
+    assert done.ttft_seconds == pytest.approx(first.first_token_latencies[0])  # one timestamp for both
+    assert recorder.num_tracked == 0 and recorder.last_step_speculated is False
+    assert recorder.acceptance()["acceptance_rate"] == 0.5
+
+
+def test_idle_flushes_finishes_published_without_a_step(recorded):
+    recorder, seen = recorded
+    recorder.arrived("b")
+    recorder.published([RequestOutput("b", [], finished=True, finish_reason=FinishReason.ABORT)])
+    recorder.idle()
+    (stats,) = seen
+    assert stats.batch_size == 0 and stats.step_seconds == 0.0 and stats.mode == "plain"
+    assert [f.finish_reason for f in stats.finished] == [FinishReason.ABORT] and stats.finished[0].ttft_seconds is None
+    assert recorder.num_tracked == 0
+
+
+def test_an_observer_fault_is_contained(recorded):
+    recorder, _ = recorded
+
+    def broken(stats: StepStats) -> None:
+        raise ValueError("observer bug")
+
+    recorder.observer = broken
+    recorder.idle()  # logs, does not raise
