@@ -47,7 +47,7 @@ bench-serve: install
 	$(BIN)/python -m benchmarks.serve_bench
 
 soak: install
-	$(BIN)/python tests/reliability/soak.py
+	$(BIN)/python -m tests.reliability.soak
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -39,11 +39,8 @@ import math
 import os
 import platform
 import random
-import re
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -53,7 +50,9 @@ from urllib.parse import urlparse
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.support.metrics import Metrics, wait_idle
+from tests.support.server import ServerError, SpecdServer, serve_args
+
 PROMPT_SET_DIR = Path(__file__).resolve().parent / "prompt_sets"
 PROMPT_SETS = ("code", "chat", "extraction", "creative")
 MODES = {"off": False, "on": True, "auto": None}  # None: no `speculation` field
@@ -64,8 +63,6 @@ COUNTERS = {
     "specd_spec_decode_num_draft_tokens_total": "num_draft_tokens",
     "specd_spec_decode_num_accepted_tokens_total": "num_accepted_tokens",
 }
-_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
-_MODE_LABEL = re.compile(r'mode="([^"]*)"')
 
 
 # -- prompts -----------------------------------------------------------------------
@@ -90,87 +87,15 @@ def load_prompts(names: list[str]) -> list[Prompt]:
 # -- the server --------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# specd itself runs as tests.support.server.SpecdServer (the one server process of
+# the test suites): `python -m server.cli serve` on 127.0.0.1 and a free port.
 
 
-class ServerError(RuntimeError):
-    """specd did not start, or the server under test did not answer."""
-
-
-class ServerProcess:
-    """An OpenAI-compatible server on 127.0.0.1 and a free port; stopped by its PID."""
-
-    name = "server"
-    ready_path = "/health"
-
-    def __init__(self, command: list[str], log_path: Path, port: int, env: dict[str, str] | None = None):
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        self.process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def log_tail(self, num_chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + self.ready_path, timeout=2, trust_env=False).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        raise ServerError(f"{self.name} was not ready within {timeout:.0f}s:\n{self.log_tail()}")
-
-    def stop(self, timeout: float = 30) -> None:
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self._log.close()
-
-
-def _offline_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}  # the flags say it all
-    env.update(HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), TOKENIZERS_PARALLELISM="false")
-    return env
-
-
-class SpecdProcess(ServerProcess):
-    """`specd serve` with the given flags."""
-
-    name = "specd"
-    ready_path = "/ready"
-
-    def __init__(self, server_args: list[str], log_path: Path):
-        port = free_port()
-        command = [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *server_args,
-        ]
-        super().__init__(command, log_path, port, _offline_env())
-
-
-class TransformersServeProcess(ServerProcess):
+class TransformersServeProcess(SpecdServer):
     """The peer: `transformers serve --continuous-batching` on the model directory specd serves."""
 
     name = "transformers serve"
+    ready_path = "/health"
 
     def __init__(self, args: argparse.Namespace, log_path: Path):
         from models.loader import ModelConfig, local_model_dir, resolve_device, resolve_dtype
@@ -179,30 +104,30 @@ class TransformersServeProcess(ServerProcess):
         if model_dir is None:
             raise ServerError(f"--peer needs a local model directory or GGUF, got {args.model!r}")
         device = resolve_device(args.device or "auto")
-        dtype = str(resolve_dtype(args.dtype or "auto", device)).removeprefix("torch.")
-        port = free_port()
-        command = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
-                   "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--device", str(device),
-                   "--log-level", "warning", str(model_dir)]  # fmt: skip
-        super().__init__(command, log_path, port, _offline_env())
-        self.dtype = dtype
+        self.model_dir, self.device = model_dir, str(device)
+        self.dtype = str(resolve_dtype(args.dtype or "auto", device)).removeprefix("torch.")
+        super().__init__([], log_path)
+
+    def command(self, args: list[str]) -> list[str]:
+        return [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--device", self.device,
+                "--log-level", "warning", str(self.model_dir)]  # fmt: skip
 
 
 def server_args(args: argparse.Namespace) -> list[str]:
     levels = args.concurrency + ([args.max_concurrency] if args.max_concurrency else [])
-    flags = {
-        "--model": args.model,
-        "--draft": args.draft,
-        "--draft-model": args.draft_model,
-        "--num-speculative-tokens": args.num_speculative_tokens,
-        "--spec-disable-batch-size": args.spec_disable_batch_size,
-        "--max-num-seqs": args.max_num_seqs or max([16, *levels]),
-        "--max-model-len": args.max_model_len,
-        "--dtype": args.dtype,
-        "--device": args.device,
-        "--log-level": "warning",
-    }
-    given = [s for name, value in flags.items() if value is not None for s in (name, str(value))]
+    given = serve_args(
+        model=args.model,
+        draft=args.draft,
+        draft_model=args.draft_model,
+        num_speculative_tokens=args.num_speculative_tokens,
+        spec_disable_batch_size=args.spec_disable_batch_size,
+        max_num_seqs=args.max_num_seqs or max([16, *levels]),
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        device=args.device,
+        log_level="warning",
+    )
     return given + shlex.split(args.server_args)
 
 
@@ -350,29 +275,16 @@ async def drive(
 
 async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
     """The speculation counters and engine steps by mode, summed over their other labels."""
-    totals = dict.fromkeys([*COUNTERS.values(), "steps_spec", "steps_plain"], 0.0)
-    for line in (await client.get("/metrics")).text.splitlines():
-        match = _SAMPLE.match(line)
-        if not match:
-            continue
-        name, labels, value = match.groups()
-        if name in COUNTERS:
-            totals[COUNTERS[name]] += float(value)
-        elif name == "specd_engine_steps_total":
-            mode = _MODE_LABEL.search(labels or "")
-            key = f"steps_{mode.group(1) if mode else 'unknown'}"
-            totals[key] = totals.get(key, 0.0) + float(value)
+    metrics = Metrics((await client.get("/metrics")).text)
+    totals = {key: metrics.value(name, default=0.0) for name, key in COUNTERS.items()}
+    totals.update(steps_spec=0.0, steps_plain=0.0)
+    for mode, value in metrics.by_label("specd_engine_steps_total", "mode").items():
+        totals[f"steps_{mode or 'unknown'}"] = value
     return totals
 
 
-async def wait_idle(client: httpx.AsyncClient, timeout: float = 60) -> None:
-    """Until the server runs and queues nothing (aborted requests leave at the next step)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = (await client.get("/v1/speculation")).json()
-        if info.get("requests_running", 0) == 0 and info.get("requests_waiting", 0) == 0:
-            return
-        await asyncio.sleep(0.2)
+def auth_headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
 # -- statistics --------------------------------------------------------------------
@@ -456,7 +368,7 @@ def plan(args: argparse.Namespace) -> list[Load]:
 
 
 def http_client(base_url: str, args: argparse.Namespace) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = auth_headers(args)
     timeout = httpx.Timeout(args.max_seconds + 30, connect=10)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits, trust_env=False)
@@ -495,7 +407,10 @@ async def benchmark(base_url: str, args: argparse.Namespace, prompts: list[Promp
         for load in plan(args):
             pooled = {mode: ([], [0.0], Counter()) for mode in args.modes}  # results, seconds, counter deltas
             for _, mode in itertools.product(range(args.repeats), args.modes):
-                await wait_idle(client)
+                try:  # until nothing runs or waits: aborted requests leave at the next step
+                    await asyncio.to_thread(wait_idle, base_url.rstrip("/"), auth_headers(args), 60)
+                except TimeoutError:
+                    pass  # still busy after a minute: this run starts anyway
                 before = await scrape(client)
                 start = time.perf_counter()
                 results = await drive(client, model, prompts, mode, load, args)
@@ -759,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     prompts = load_prompts(args.prompt_sets)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    server = None if args.base_url else SpecdProcess(server_args(args), args.out_dir / "server.log")
+    server = None if args.base_url else SpecdServer(server_args(args), args.out_dir / "server.log")
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",

@@ -1,34 +1,46 @@
-"""Shared fixtures: tiny local models (built once per session, no download)."""
+"""Shared fixtures: tiny local models and the cycle model (built once per session, no download)."""
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+# Before anything imports huggingface_hub, which reads these once.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from tiny_models import build_draft_from, build_tiny_llama, build_tiny_qwen2  # noqa: E402
+from tests.support.cycle import CycleText, build_cycle_model  # noqa: E402
+from tests.support.tiny_models import build_draft_from, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
-    return build_tiny_qwen2(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", "qwen2")
 
 
 @pytest.fixture(scope="session")
 def tiny_draft_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     """The tiny Llama with only its first layer: same tokenizer, a cheap, weak draft."""
     return build_draft_from(tiny_llama_dir, tmp_path_factory.mktemp("models") / "tiny-llama-draft")
+
+
+@pytest.fixture(scope="session")
+def cycle_model_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama rewired to write CYCLE_TEXT over and over (tests/support/cycle.py)."""
+    return build_cycle_model(tiny_llama_dir, tmp_path_factory.mktemp("models") / "cycle")
+
+
+@pytest.fixture(scope="session")
+def cycle_text(cycle_model_dir) -> CycleText:
+    """The exact text the cycle model writes."""
+    return CycleText(cycle_model_dir)
 
 
 @pytest.fixture(scope="session")

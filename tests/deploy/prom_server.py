@@ -13,7 +13,6 @@ dir; `stop()` ends the process it started, by PID.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,7 +23,9 @@ from typing import Any, TypeVar
 import httpx
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
+from tests.support.server import free_port
+
 PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 RULES = REPO / "deploy" / "prometheus" / "rules.yml"
 SPECD_JOB = "specd"
@@ -34,12 +35,6 @@ T = TypeVar("T")
 
 class PrometheusError(RuntimeError):
     """Prometheus answered a query with an error (bad PromQL, timeout, ...)."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def prometheus_binary() -> str | None:

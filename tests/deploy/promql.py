@@ -17,7 +17,8 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
+
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "specd.json"
 RULES = REPO / "deploy" / "prometheus" / "rules.yml"
 

@@ -13,7 +13,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -21,31 +20,25 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scheduler.metrics import METRICS
+from scheduler.metrics import METRICS, MetricsObserver
+from scheduler.types import FinishedRequestStats, FinishReason, SpecCounts, StepStats
+from tests.deploy.prom_server import PrometheusServer
+from tests.deploy.promql import DASHBOARD, RULES, all_exprs, dashboard_exprs, rule_exprs
+from tests.support import REPO
+from tests.support.server import free_port
 
-sys.path.insert(0, str(Path(__file__).parent))  # helpers beside this file
-
-from prom_server import PrometheusServer, free_port  # noqa: E402
-from promql import DASHBOARD, RULES, all_exprs, dashboard_exprs, rule_exprs  # noqa: E402
-
-from scheduler.metrics import MetricsObserver  # noqa: E402
-from scheduler.types import FinishedRequestStats, FinishReason, SpecCounts, StepStats  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 K8S = DEPLOY / "k8s"
 DATASOURCE_UID = "specd-prometheus"
 
-# Every metric as exposed (counters with _total): the one table in code.
-DESIGN_METRICS = set(METRICS)
 METRIC_REF = re.compile(r"\b(specd_\w+)")
 SELECTOR = re.compile(r"\b(specd_\w+)(\{[^}]*\})?(\[[^\]]*\])?")
 
 
 def base_metric(name: str) -> str:
     for suffix in ("_bucket", "_sum", "_count"):
-        if name.removesuffix(suffix) in DESIGN_METRICS:
+        if name.removesuffix(suffix) in METRICS:  # every metric as exposed: the one table
             return name.removesuffix(suffix)
     return name
 
@@ -127,8 +120,8 @@ def test_dashboard_exprs_filter_by_model_and_use_rate_interval():
 
 def test_dashboard_covers_every_design_metric():
     used = {base_metric(m) for item in dashboard_exprs() for m in METRIC_REF.findall(item.expr)}
-    assert used <= DESIGN_METRICS, used - DESIGN_METRICS
-    assert DESIGN_METRICS <= used, f"not on the dashboard: {DESIGN_METRICS - used}"
+    assert used <= METRICS.keys(), used - METRICS.keys()
+    assert METRICS.keys() <= used, f"not on the dashboard: {METRICS.keys() - used}"
 
 
 def test_dashboard_has_the_issue_panels(dashboard):
@@ -200,7 +193,7 @@ def test_rules_are_named_and_documented():
                 assert rule["for"] and rule["labels"]["severity"] in ("warning", "critical")
                 assert rule["annotations"]["summary"] and rule["annotations"]["description"]
     used = {base_metric(m) for r in rules for m in METRIC_REF.findall(r.expr)}
-    assert used <= DESIGN_METRICS, used - DESIGN_METRICS
+    assert used <= METRICS.keys(), used - METRICS.keys()
 
 
 def test_promtool_check_config_and_rules():

@@ -4,43 +4,19 @@ dashboard and the rules parses and returns data."""
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.metrics import METRICS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from prom_server import PrometheusServer, prometheus_binary  # noqa: E402
-from promql import all_exprs  # noqa: E402
-from specd_http import finish_server, start_server  # noqa: E402
+from tests.deploy.prom_server import PrometheusServer, prometheus_binary
+from tests.deploy.promql import all_exprs
+from tests.support.server import finish_server, serve_args, start_server
 
 MODEL = "tiny-spec"
-
-# name -> type as the parser names families (counters without the _total suffix).
-DESIGN_METRICS = {name.removesuffix("_total"): kind for name, (kind, _) in METRICS.items()}
 PROMPT = "A B C D E F G A B C D E F G A B C D"
-
-
-def scrape(url: str) -> dict:
-    families = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        families[family.name] = family
-    return families
-
-
-def total(families: dict, name: str, **labels) -> float:
-    family = families[name]
-    return sum(
-        s.value
-        for s in family.samples
-        if s.name == f"{name}_total" and all(s.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 class Workload:
@@ -92,40 +68,42 @@ class Workload:
 
 @pytest.fixture(scope="module")
 def specd(tiny_llama_dir, tmp_path_factory):
-    args = [
-        "--model", str(tiny_llama_dir), "--served-model-name", MODEL, "--dtype", "float32",
-        "--device", "cpu", "--draft", "ngram", "--max-num-seqs", "4", "--spec-disable-batch-size", "4",
-    ]  # fmt: skip
+    args = serve_args(
+        model=tiny_llama_dir, served_model_name=MODEL, dtype="float32",
+        device="cpu", draft="ngram", max_num_seqs=4, spec_disable_batch_size=4,
+    )  # fmt: skip
     server = start_server(args, tmp_path_factory.mktemp("logs"), "specd-prom")
     yield server
     finish_server(server)
 
 
 def test_metrics_are_complete_and_consistent(specd):
-    before = scrape(specd.url)
+    before = specd.metrics()
     with Workload(specd.url) as work:
         while work.num_requests < 12 and work.thread.is_alive():
             time.sleep(0.1)
-    after = scrape(specd.url)
-    for name, kind in DESIGN_METRICS.items():
-        assert name in after, f"{name} missing from /metrics"
-        assert after[name].type == kind, (name, after[name].type)
-        for sample in after[name].samples:
+    after = specd.metrics()
+    for name, (kind, _) in METRICS.items():  # the parser names counter families without _total
+        family = name.removesuffix("_total") if kind == "counter" else name
+        assert family in after, f"{name} missing from /metrics"
+        assert after[family].type == kind, (name, after[family].type)
+        for sample in after[family].samples:
             assert sample.labels.get("model") == MODEL, sample
     delta = {
-        n: total(after, n) - (total(before, n) if n in before else 0)
-        for n in DESIGN_METRICS
-        if DESIGN_METRICS[n] == "counter"
+        name: after.value(name, default=0.0) - before.value(name, default=0.0)
+        for name, (kind, _) in METRICS.items()
+        if kind == "counter"
     }
-    assert delta["specd_generation_tokens"] == work.completion_tokens
-    assert delta["specd_requests"] == work.num_requests
-    assert 0 < delta["specd_spec_decode_num_accepted_tokens"] <= delta["specd_spec_decode_num_draft_tokens"]
-    assert delta["specd_spec_decode_num_drafts"] <= delta["specd_spec_decode_num_draft_tokens"]
-    assert total(after, "specd_engine_steps", mode="spec") > 0 and total(after, "specd_engine_steps", mode="plain") > 0
-    per_pos = sum(
-        s.value for s in after["specd_spec_decode_num_accepted_tokens_per_pos"].samples if s.name.endswith("_total")
-    )
-    assert per_pos == total(after, "specd_spec_decode_num_accepted_tokens")
+    assert delta["specd_generation_tokens_total"] == work.completion_tokens
+    assert delta["specd_requests_total"] == work.num_requests
+    accepted = delta["specd_spec_decode_num_accepted_tokens_total"]
+    drafted = delta["specd_spec_decode_num_draft_tokens_total"]
+    assert 0 < accepted <= drafted
+    assert delta["specd_spec_decode_num_drafts_total"] <= drafted
+    assert after.value("specd_engine_steps_total", mode="spec") > 0
+    assert after.value("specd_engine_steps_total", mode="plain") > 0
+    per_pos = after.value("specd_spec_decode_num_accepted_tokens_per_pos_total")
+    assert per_pos == after.value("specd_spec_decode_num_accepted_tokens_total")
     for gauge in ("specd_requests_running", "specd_requests_waiting", "specd_kv_cache_usage_ratio"):
         assert after[gauge].samples[0].value == 0  # idle again
 

@@ -24,7 +24,7 @@ from models.loader import (
     resolve_device,
     resolve_dtype,
 )
-from tests.tiny_models import build_draft_from, build_tiny_llama, build_tiny_qwen2, build_tokenizer
+from tests.support.tiny_models import build_draft_from, build_tiny_model, build_tokenizer
 
 PROMPT = "Hello world! How are you today?"
 
@@ -32,10 +32,10 @@ PROMPT = "Hello world! How are you today?"
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    llama = build_tiny_llama(root / "llama")
+    llama = build_tiny_model(root / "llama", "llama")
     return {
         "llama": llama,
-        "qwen2": build_tiny_qwen2(root / "qwen2"),
+        "qwen2": build_tiny_model(root / "qwen2", "qwen2"),
         "llama-draft": build_draft_from(llama, root / "llama-draft"),
     }
 

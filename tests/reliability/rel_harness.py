@@ -1,14 +1,10 @@
-"""Machinery shared by the reliability suite and `soak.py`.
+"""Machinery of the reliability suite and `soak.py`, beside what every suite shares
+(tests/support: the cycle model and its oracle `CycleText`, the server process,
+started here with `probe=True` for its test-only `GET /_probe`, and /metrics):
 
-- `build_cycle_model` (defined in tests/server/specd_http.py): a tiny Llama whose greedy output is known exactly, so
-  every request that survives a storm, a burst or a fault can be checked
-  character for character (`CycleText.expected`).
-- `ProbedServer`: a real `specd serve` process started through
-  `probe_serve.py`, which adds a test-only `GET /_probe` (live asyncio tasks,
-  threads, the engine's per-request bookkeeping); RSS and threads also come
-  from /proc.
-- `Metrics`: /metrics parsed into numbers.
-- `cut_stream`: a raw-socket streaming client that hangs up at a chosen point.
+- the servers' settings, which tests build their requests from;
+- `leaked_bookkeeping`: per-request engine state left in a probe;
+- `cut_stream`: a raw-socket streaming client that hangs up at a chosen point;
 - `Tally` / `results_table`: the counts that the closing table reports.
 """
 
@@ -18,22 +14,11 @@ import asyncio
 import json
 import math
 import socket
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from tests.support.server import serve_args
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-for extra in (REPO / "tests" / "server", REPO / "tests"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
-
-from specd_http import CYCLE_TEXT, SpecdServer, build_cycle_model  # noqa: E402, F401 (re-exported)
-
-PROBE_SCRIPT = HERE / "probe_serve.py"
 CYCLE_NAME = "cycle"
 API_KEY = "reliability-key"
 # The servers of the suite (conftest.py); tests build their requests from these.
@@ -45,78 +30,15 @@ OVERLOAD_MAX_QUEUE = 4
 OVERLOAD_MAX_NUM_SEQS = 2
 
 
-# -- the cycle model -------------------------------------------------------------------
+def chaos_args(cycle_model_dir: Path) -> list[str]:
+    """The cycle model with fault injection (the API key comes on top): the chaos server and the soak."""
+    return serve_args(
+        model=cycle_model_dir, served_model_name=CYCLE_NAME, dtype="float32", device="cpu",
+        max_num_seqs=CHAOS_MAX_NUM_SEQS, enable_fault_injection=True,
+    )  # fmt: skip
 
 
-class CycleText:
-    """The exact text the cycle model writes after a prompt ending in a cycle token."""
-
-    def __init__(self, model_dir: Path):
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.ids = self.tokenizer.encode(CYCLE_TEXT, add_special_tokens=False)
-
-    def next_ids(self, prompt_ids: list[int], num_tokens: int) -> list[int]:
-        start = self.ids.index(prompt_ids[-1]) + 1
-        return [self.ids[(start + i) % len(self.ids)] for i in range(num_tokens)]
-
-    def expected(self, prompt: str, num_tokens: int) -> str:
-        """Completions endpoint (the prompt is tokenized as is)."""
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        return self.tokenizer.decode(self.next_ids(ids, num_tokens))
-
-    def expected_chat(self, num_tokens: int) -> str:
-        """Chat endpoint: the template ends in "\\n", so the reply starts "Ab😀"."""
-        return self.tokenizer.decode(self.next_ids(self.tokenizer.encode("\n"), num_tokens))
-
-
-# -- a specd process with a probe ------------------------------------------------------
-
-
-class ProbedServer(SpecdServer):
-    """`specd serve` run through probe_serve.py: the same server plus GET /_probe."""
-
-    entry = (str(PROBE_SCRIPT),)
-    # Tiny models gain nothing from intra-op threads, and on a shared CPU a
-    # spinning thread team can stall every step; one thread keeps timings sane.
-    extra_env = {"OMP_NUM_THREADS": "1"}
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def probe(self) -> dict:
-        return httpx.get(self.url + "/_probe", timeout=30).json()
-
-    def proc_status(self) -> dict[str, int]:
-        """RSS (bytes) and OS threads of the server process, from /proc."""
-        fields = {}
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "Threads"):
-                fields[key] = int(value.split()[0])
-        return {"rss": fields["VmRSS"] * 1024, "threads": fields["Threads"]}
-
-    def metrics(self) -> Metrics:
-        return Metrics(httpx.get(self.url + "/metrics", headers=self.headers, timeout=30).text)
-
-    def wait_idle(self, timeout: float = 120) -> Metrics:
-        """Poll /metrics until nothing runs or waits; returns the idle scrape."""
-        deadline = time.monotonic() + timeout
-        while True:
-            metrics = self.metrics()
-            if metrics.value("specd_requests_running") == 0 and metrics.value("specd_requests_waiting") == 0:
-                return metrics
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not idle after {timeout}s: {self.probe()}")
-            time.sleep(0.1)
-
-
-def start_probed(args: list[str], log_dir: Path, name: str, api_key: str | None = None) -> ProbedServer:
-    server = ProbedServer(args, log_dir / f"{name}.log", api_key)
-    server.wait_ready()
-    return server
+# -- leaks ----------------------------------------------------------------------------------
 
 
 def leaked_bookkeeping(probe: dict) -> dict[str, int]:
@@ -128,23 +50,6 @@ def leaked_bookkeeping(probe: dict) -> dict[str, int]:
     if probe.get("free_slots") != probe.get("num_slots"):
         leaked["slots_in_use"] = probe.get("num_slots", 0) - probe.get("free_slots", 0)
     return leaked
-
-
-# -- metrics -----------------------------------------------------------------------------
-
-
-class Metrics:
-    """One /metrics scrape: `value(name, **labels)` sums the matching samples."""
-
-    def __init__(self, text: str):
-        from prometheus_client.parser import text_string_to_metric_families
-
-        self.samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
-
-    def value(self, name: str, **labels: str) -> float:
-        return sum(
-            s.value for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
 
 
 # -- a client that hangs up ---------------------------------------------------------------

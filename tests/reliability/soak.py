@@ -9,8 +9,8 @@ engine's per-request tables are recorded; at the end (idle) they must not have
 grown (RSS < 5%), KV use must be 0, and p99 latency of the last quarter is set
 against the first.
 
-    python tests/reliability/soak.py                   # 2,000 requests (make soak)
-    python tests/reliability/soak.py --requests 200    # the CI size
+    python -m tests.reliability.soak                   # 2,000 requests (make soak), from the repo root
+    python -m tests.reliability.soak --requests 200    # the CI size
 
 `test_soak.py` runs the short version inside the suite.
 """
@@ -30,16 +30,11 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rel_harness import (  # noqa: E402
+from tests.reliability.rel_harness import (
     API_KEY,
-    CHAOS_MAX_NUM_SEQS,
     CYCLE_NAME,
-    CYCLE_TEXT,
-    CycleText,
-    ProbedServer,
     Tally,
-    build_cycle_model,
+    chaos_args,
     cut_stream,
     leaked_bookkeeping,
     percentile,
@@ -47,6 +42,9 @@ from rel_harness import (  # noqa: E402
     sse_events,
     stream_text,
 )
+from tests.support.cycle import CYCLE_TEXT, CycleText, build_cycle_model
+from tests.support.server import SpecdServer, finish_server
+from tests.support.tiny_models import build_tiny_model
 
 KINDS = {  # kind -> weight in the mix
     "completion": 20,
@@ -221,7 +219,7 @@ class Mix:
         }
 
 
-async def run_one(http: httpx.AsyncClient, server: ProbedServer, mix: Mix, index: int) -> Outcome:
+async def run_one(http: httpx.AsyncClient, server: SpecdServer, mix: Mix, index: int) -> Outcome:
     p = mix.plan(index)
     kind = p["kind"]
     base = {"model": CYCLE_NAME, "max_tokens": p["max_tokens"], "speculation": p["speculation"]}
@@ -295,7 +293,7 @@ def _check_text(response: httpx.Response, body: dict, expected: list[str], chat:
 # -- the run -----------------------------------------------------------------------------------
 
 
-def snapshot(server: ProbedServer) -> dict:
+def snapshot(server: SpecdServer) -> dict:
     metrics = server.wait_idle()
     probe = server.probe()
     status = server.proc_status()
@@ -308,7 +306,7 @@ def snapshot(server: ProbedServer) -> dict:
 
 
 async def run_soak(
-    server: ProbedServer, cycle: CycleText, num_requests: int, concurrency: int = 8, seed: int = 7
+    server: SpecdServer, cycle: CycleText, num_requests: int, concurrency: int = 8, seed: int = 7
 ) -> SoakReport:
     report = SoakReport(num_requests=num_requests, concurrency=concurrency)
     mix = Mix(seed, cycle)
@@ -352,17 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7, help="seed of the request mix [default: 7]")
     args = parser.parse_args(argv)
 
-    from specd_http import finish_server
-    from tiny_models import build_tiny_llama
-
     with tempfile.TemporaryDirectory(prefix="specd-soak-") as tmp:
         root = Path(tmp)
-        cycle_dir = build_cycle_model(build_tiny_llama(root / "tiny"), root / "cycle")
-        server_args = [
-            "--model", str(cycle_dir), "--served-model-name", CYCLE_NAME, "--dtype", "float32", "--device", "cpu",
-            "--max-num-seqs", str(CHAOS_MAX_NUM_SEQS), "--enable-fault-injection",
-        ]  # fmt: skip
-        server = ProbedServer(server_args, root / "soak.log", api_key=API_KEY)
+        cycle_dir = build_cycle_model(build_tiny_model(root / "tiny", "llama"), root / "cycle")
+        server = SpecdServer(chaos_args(cycle_dir), root / "soak.log", api_key=API_KEY, probe=True)
         try:
             server.wait_ready()
             report = asyncio.run(run_soak(server, CycleText(cycle_dir), args.requests, args.concurrency, args.seed))

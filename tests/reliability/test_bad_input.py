@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from rel_harness import INPUT_MAX_BODY_BYTES, INPUT_MAX_MODEL_LEN, INPUT_MODEL
+
+from tests.reliability.rel_harness import INPUT_MAX_BODY_BYTES, INPUT_MAX_MODEL_LEN, INPUT_MODEL
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 JSON = {"content-type": "application/json"}

@@ -11,7 +11,9 @@ import random
 from collections import Counter
 
 import httpx
-from rel_harness import CYCLE_NAME, CYCLE_TEXT, cut_stream, leaked_bookkeeping, sse_events, stream_text
+
+from tests.reliability.rel_harness import CYCLE_NAME, cut_stream, leaked_bookkeeping, sse_events, stream_text
+from tests.support.cycle import CYCLE_TEXT
 
 NUM_CUT = 200
 NUM_CONTROL = 12

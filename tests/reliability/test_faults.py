@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-from rel_harness import CYCLE_NAME, CYCLE_TEXT, leaked_bookkeeping, sse_events, stream_text
 
 from models.builder import ProposerConfig, build_runner
 from models.loader import ModelConfig, load_model
@@ -21,6 +20,8 @@ from scheduler.offline import run_offline
 from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import FinishReason, Request, SamplingParams
+from tests.reliability.rel_harness import CYCLE_NAME, leaked_bookkeeping, sse_events, stream_text
+from tests.support.cycle import CYCLE_TEXT
 
 # -- over HTTP: the test-only `fault` field -----------------------------------------------
 

@@ -12,10 +12,10 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rel_harness import INPUT_MODEL, sse_events, stream_text
 
 from server.app import create_app
 from server.config import Settings
+from tests.reliability.rel_harness import INPUT_MODEL, sse_events, stream_text
 
 EXAMPLES = int(os.environ.get("SPECD_FUZZ_EXAMPLES", "120"))  # raise it for a longer hunt
 ALLOWED = {200, 400, 404, 413}

@@ -10,7 +10,8 @@ import statistics
 import time
 
 import httpx
-from rel_harness import (
+
+from tests.reliability.rel_harness import (
     CYCLE_NAME,
     OVERLOAD_MAX_NUM_SEQS,
     OVERLOAD_MAX_QUEUE,

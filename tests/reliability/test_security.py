@@ -18,7 +18,6 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-from rel_harness import API_KEY, CYCLE_NAME, INPUT_MAX_BODY_BYTES, INPUT_MAX_MODEL_LEN, INPUT_MODEL, REPO
 
 import server.middleware
 from scheduler.types import MAX_LOGIT_BIAS, MAX_SPEC_TOKENS, MAX_TOP_LOGPROBS
@@ -26,6 +25,8 @@ from server.app import create_app
 from server.config import DEFAULT_MAX_MODEL_LEN, Settings
 from server.protocol import MAX_CHOICES, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from server.routes import router
+from tests.reliability.rel_harness import API_KEY, CYCLE_NAME, INPUT_MAX_BODY_BYTES, INPUT_MAX_MODEL_LEN, INPUT_MODEL
+from tests.support import REPO
 
 DOC = REPO / "docs" / "reliability.md"
 

@@ -4,7 +4,7 @@ threads, and a last-quarter p99 in line with the first."""
 
 from __future__ import annotations
 
-from soak import run_soak
+from tests.reliability.soak import run_soak
 
 CI_REQUESTS = 200
 

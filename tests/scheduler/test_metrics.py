@@ -7,15 +7,12 @@ import re
 
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
-from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.metrics import LATENCY_BUCKETS, METRICS, MetricsObserver
 from scheduler.types import FinishedRequestStats, FinishReason, SpecCounts, StepStats
+from tests.support.metrics import Metrics
 
 MODEL = "tiny-llama"
-
-# exposed name -> (type, labels besides `model`), from the one table in code.
-DESIGN_METRICS = {name: (kind, set(labels)) for name, (kind, labels) in METRICS.items()}
 
 
 def spec_step() -> StepStats:
@@ -65,21 +62,10 @@ def plain_step() -> StepStats:
     )  # fmt: skip
 
 
-def families(observer: MetricsObserver) -> dict:
+def families(observer: MetricsObserver) -> Metrics:
     body, content_type = observer.render()
     assert content_type.startswith("text/plain")
-    return {f.name: f for f in text_string_to_metric_families(body.decode())}
-
-
-def value(fams: dict, sample_name: str, **labels: str) -> float:
-    """The value of the one sample named `sample_name` whose labels include `labels`."""
-    family_name = sample_name.removesuffix("_total")
-    for suffix in ("_bucket", "_count", "_sum"):
-        if family_name.endswith(suffix) and family_name not in fams:
-            family_name = family_name.removesuffix(suffix)
-    hits = [s.value for s in fams[family_name].samples if s.name == sample_name and labels.items() <= s.labels.items()]
-    assert len(hits) == 1, (sample_name, labels, hits)
-    return hits[0]
+    return Metrics(body.decode())
 
 
 @pytest.fixture
@@ -91,55 +77,55 @@ def test_every_design_metric_is_exposed_with_its_type_and_labels(observer):
     observer.observe(spec_step())
     observer.observe(plain_step())
     fams = families(observer)
-    for name, (kind, labels) in DESIGN_METRICS.items():
-        family = fams.get(name.removesuffix("_total") if kind == "counter" else name)
+    for name, (kind, labels) in METRICS.items():  # exposed name -> (type, labels besides `model`)
+        family = fams.families.get(name.removesuffix("_total") if kind == "counter" else name)
         assert family is not None, f"{name} missing"
         assert family.type == kind, name
         assert family.samples, name
         for sample in family.samples:
             if kind == "counter":
-                assert sample.name == name  # exposed exactly as DESIGN names it
+                assert sample.name == name  # exposed exactly as METRICS names it
             assert sample.labels["model"] == MODEL
             extra = set(sample.labels) - {"model", "le"}
-            assert extra == labels, (name, sample.labels)
+            assert extra == set(labels), (name, sample.labels)
 
 
 def test_series_exist_at_zero_before_the_first_step(observer):
     fams = families(observer)
-    assert set(DESIGN_METRICS) <= {f.name + "_total" if f.type == "counter" else f.name for f in fams.values()}
+    assert METRICS.keys() <= {f.name + "_total" if f.type == "counter" else f.name for f in fams.families.values()}
     for reason in ("stop", "length", "abort", "error"):
-        assert value(fams, "specd_requests_total", finish_reason=reason) == 0
+        assert fams.one("specd_requests_total", finish_reason=reason) == 0
     for position in ("1", "2", "3"):
         per_pos = "specd_spec_decode_num_accepted_tokens_per_pos_total"
-        assert value(fams, per_pos, position=position) == 0
+        assert fams.one(per_pos, position=position) == 0
     for phase in ("prefill", "draft", "verify", "decode"):
-        assert value(fams, "specd_step_seconds_count", phase=phase) == 0
-    assert value(fams, "specd_spec_decode_num_draft_tokens_total", method="ngram") == 0
-    assert not any(s.name.endswith("_created") for f in fams.values() for s in f.samples)
+        assert fams.one("specd_step_seconds_count", phase=phase) == 0
+    assert fams.one("specd_spec_decode_num_draft_tokens_total", method="ngram") == 0
+    assert not any(s.name.endswith("_created") for s in fams.samples)
 
 
 def test_counters_move_by_the_step_amounts(observer):
     observer.observe(spec_step())
     observer.observe(plain_step())
     fams = families(observer)
-    assert value(fams, "specd_prompt_tokens_total") == 11
-    assert value(fams, "specd_generation_tokens_total") == 10
-    assert value(fams, "specd_engine_steps_total", mode="spec") == 1
-    assert value(fams, "specd_engine_steps_total", mode="plain") == 1
-    assert value(fams, "specd_requests_total", finish_reason="stop") == 1
-    assert value(fams, "specd_requests_total", finish_reason="length") == 1
-    assert value(fams, "specd_requests_total", finish_reason="abort") == 0
+    assert fams.one("specd_prompt_tokens_total") == 11
+    assert fams.one("specd_generation_tokens_total") == 10
+    assert fams.one("specd_engine_steps_total", mode="spec") == 1
+    assert fams.one("specd_engine_steps_total", mode="plain") == 1
+    assert fams.one("specd_requests_total", finish_reason="stop") == 1
+    assert fams.one("specd_requests_total", finish_reason="length") == 1
+    assert fams.one("specd_requests_total", finish_reason="abort") == 0
 
     spec = {"method": "ngram"}
-    assert value(fams, "specd_spec_decode_num_drafts_total", **spec) == 2
-    assert value(fams, "specd_spec_decode_num_draft_tokens_total", **spec) == 6
-    assert value(fams, "specd_spec_decode_num_accepted_tokens_total", **spec) == 3
+    assert fams.one("specd_spec_decode_num_drafts_total", **spec) == 2
+    assert fams.one("specd_spec_decode_num_draft_tokens_total", **spec) == 6
+    assert fams.one("specd_spec_decode_num_accepted_tokens_total", **spec) == 3
     spec = {"method": "draft_model"}
-    assert value(fams, "specd_spec_decode_num_drafts_total", **spec) == 1
-    assert value(fams, "specd_spec_decode_num_draft_tokens_total", **spec) == 2
-    assert value(fams, "specd_spec_decode_num_accepted_tokens_total", **spec) == 1
-    assert value(fams, "specd_spec_decode_num_draft_tokens_total", method="prediction") == 0
-    per_pos = [value(fams, "specd_spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in (1, 2, 3)]
+    assert fams.one("specd_spec_decode_num_drafts_total", **spec) == 1
+    assert fams.one("specd_spec_decode_num_draft_tokens_total", **spec) == 2
+    assert fams.one("specd_spec_decode_num_accepted_tokens_total", **spec) == 1
+    assert fams.one("specd_spec_decode_num_draft_tokens_total", method="prediction") == 0
+    per_pos = [fams.one("specd_spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in (1, 2, 3)]
     assert per_pos == [3, 1, 0]
     # Per-position counts add up to the accepted tokens of all methods.
     assert sum(per_pos) == 3 + 1
@@ -151,29 +137,29 @@ def test_latency_histograms(observer):
     fams = families(observer)
 
     # Per token: (3, 0.3) -> 3 x 0.1, (1, 0.05), (3, 0.06) -> 3 x 0.02, (1, 0.2).
-    assert value(fams, "specd_inter_token_latency_seconds_count") == 8
-    assert value(fams, "specd_inter_token_latency_seconds_sum") == pytest.approx(0.61)
-    assert value(fams, "specd_inter_token_latency_seconds_bucket", le="0.02") == 3
-    assert value(fams, "specd_inter_token_latency_seconds_bucket", le="0.05") == 4
+    assert fams.one("specd_inter_token_latency_seconds_count") == 8
+    assert fams.one("specd_inter_token_latency_seconds_sum") == pytest.approx(0.61)
+    assert fams.one("specd_inter_token_latency_seconds_bucket", le="0.02") == 3
+    assert fams.one("specd_inter_token_latency_seconds_bucket", le="0.05") == 4
     # Per chunk: one sample per emission, the whole gap.
-    assert value(fams, "specd_inter_chunk_latency_seconds_count") == 4
-    assert value(fams, "specd_inter_chunk_latency_seconds_sum") == pytest.approx(0.61)
-    assert value(fams, "specd_inter_chunk_latency_seconds_bucket", le="0.05") == 1
+    assert fams.one("specd_inter_chunk_latency_seconds_count") == 4
+    assert fams.one("specd_inter_chunk_latency_seconds_sum") == pytest.approx(0.61)
+    assert fams.one("specd_inter_chunk_latency_seconds_bucket", le="0.05") == 1
 
-    assert value(fams, "specd_time_to_first_token_seconds_count") == 2
-    assert value(fams, "specd_time_to_first_token_seconds_sum") == pytest.approx(0.5)
-    assert value(fams, "specd_request_queue_seconds_count") == 2
-    assert value(fams, "specd_e2e_request_latency_seconds_count") == 2
-    assert value(fams, "specd_e2e_request_latency_seconds_sum") == pytest.approx(3.0)
+    assert fams.one("specd_time_to_first_token_seconds_count") == 2
+    assert fams.one("specd_time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert fams.one("specd_request_queue_seconds_count") == 2
+    assert fams.one("specd_e2e_request_latency_seconds_count") == 2
+    assert fams.one("specd_e2e_request_latency_seconds_sum") == pytest.approx(3.0)
     # TPOT only for the request with > 1 token: (2.0 - 0.5) / (4 - 1).
-    assert value(fams, "specd_time_per_output_token_seconds_count") == 1
-    assert value(fams, "specd_time_per_output_token_seconds_sum") == pytest.approx(0.5)
+    assert fams.one("specd_time_per_output_token_seconds_count") == 1
+    assert fams.one("specd_time_per_output_token_seconds_sum") == pytest.approx(0.5)
 
-    assert value(fams, "specd_step_seconds_count", phase="prefill") == 1
-    assert value(fams, "specd_step_seconds_count", phase="decode") == 1
-    assert value(fams, "specd_step_seconds_sum", phase="verify") == pytest.approx(0.04)
-    assert value(fams, "specd_batch_size_count") == 2
-    assert value(fams, "specd_batch_size_sum") == 6
+    assert fams.one("specd_step_seconds_count", phase="prefill") == 1
+    assert fams.one("specd_step_seconds_count", phase="decode") == 1
+    assert fams.one("specd_step_seconds_sum", phase="verify") == pytest.approx(0.04)
+    assert fams.one("specd_batch_size_count") == 2
+    assert fams.one("specd_batch_size_sum") == 6
 
 
 def test_buckets_resolve_milliseconds_to_minutes(observer):
@@ -190,18 +176,18 @@ def test_buckets_resolve_milliseconds_to_minutes(observer):
 def test_gauges_follow_the_last_step_and_queue_state(observer):
     observer.observe(spec_step())
     fams = families(observer)
-    assert value(fams, "specd_spec_enabled") == 1
-    assert value(fams, "specd_requests_waiting") == 2
+    assert fams.one("specd_spec_enabled") == 1
+    assert fams.one("specd_requests_waiting") == 2
     observer.observe(plain_step())
     fams = families(observer)
-    assert value(fams, "specd_spec_enabled") == 0
-    assert value(fams, "specd_requests_running") == 3
-    assert value(fams, "specd_requests_waiting") == 0
-    assert value(fams, "specd_kv_cache_usage_ratio") == 0.5
+    assert fams.one("specd_spec_enabled") == 0
+    assert fams.one("specd_requests_running") == 3
+    assert fams.one("specd_requests_waiting") == 0
+    assert fams.one("specd_kv_cache_usage_ratio") == 0.5
     observer.set_queue_state(num_running=0, num_waiting=4, kv_usage=0.0)
     fams = families(observer)
-    assert value(fams, "specd_requests_running") == 0
-    assert value(fams, "specd_requests_waiting") == 4
+    assert fams.one("specd_requests_running") == 0
+    assert fams.one("specd_requests_waiting") == 4
 
 
 def test_abort_before_start_and_zero_token_rows(observer):
@@ -213,11 +199,11 @@ def test_abort_before_start_and_zero_token_rows(observer):
                   kv_usage=0.0, mode="plain", token_gaps=[(0, 0.5)], finished=[aborted])
     )  # fmt: skip
     fams = families(observer)
-    assert value(fams, "specd_requests_total", finish_reason="abort") == 1
-    assert value(fams, "specd_e2e_request_latency_seconds_sum") == pytest.approx(0.7)
-    assert value(fams, "specd_time_per_output_token_seconds_count") == 0
-    assert value(fams, "specd_inter_chunk_latency_seconds_count") == 0
-    assert value(fams, "specd_batch_size_count") == 0  # an idle step is not a batch
+    assert fams.one("specd_requests_total", finish_reason="abort") == 1
+    assert fams.one("specd_e2e_request_latency_seconds_sum") == pytest.approx(0.7)
+    assert fams.one("specd_time_per_output_token_seconds_count") == 0
+    assert fams.one("specd_inter_chunk_latency_seconds_count") == 0
+    assert fams.one("specd_batch_size_count") == 0  # an idle step is not a batch
 
 
 def test_new_positions_and_methods_appear_when_first_seen():
@@ -227,8 +213,8 @@ def test_new_positions_and_methods_appear_when_first_seen():
     step.accepted_per_position = [1, 1, 1, 1, 1]
     observer.observe(step)
     fams = families(observer)
-    assert value(fams, "specd_spec_decode_num_accepted_tokens_total", method="prediction") == 5
-    assert value(fams, "specd_spec_decode_num_accepted_tokens_per_pos_total", position="5") == 1
+    assert fams.one("specd_spec_decode_num_accepted_tokens_total", method="prediction") == 5
+    assert fams.one("specd_spec_decode_num_accepted_tokens_per_pos_total", position="5") == 1
     methods = {s.labels["method"] for s in fams["specd_spec_decode_num_drafts"].samples}
     assert methods == {"prediction"}
 
@@ -236,8 +222,8 @@ def test_new_positions_and_methods_appear_when_first_seen():
 def test_observers_have_separate_registries_and_openmetrics():
     first, second = MetricsObserver("a"), MetricsObserver("b")
     first.observe(spec_step())
-    assert value(families(first), "specd_generation_tokens_total", model="a") == 7
-    assert value(families(second), "specd_generation_tokens_total", model="b") == 0
+    assert families(first).one("specd_generation_tokens_total", model="a") == 7
+    assert families(second).one("specd_generation_tokens_total", model="b") == 0
     body, content_type = first.render("application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text")
     fams = {f.name: f for f in parse_openmetrics(body.decode())}

@@ -3,8 +3,8 @@ through `specd serve` vs the same request on the engine called directly, in
 the same run, alternating. Goal: HTTP >= 0.95x direct. Both record Prometheus
 metrics, as the server does, so the ratio isolates the HTTP path.
 
-    .venv/bin/python tests/server/bench_http_overhead.py                  # bundled SmolLM2
-    .venv/bin/python tests/server/bench_http_overhead.py --model DIR --max-tokens 300
+    .venv/bin/python -m tests.server.bench_http_overhead                  # bundled SmolLM2, from the repo root
+    .venv/bin/python -m tests.server.bench_http_overhead --model DIR --max-tokens 300
 """
 
 from __future__ import annotations
@@ -12,22 +12,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from specd_http import SpecdServer  # noqa: E402
-
-from scheduler.engine import AsyncEngine  # noqa: E402
-from scheduler.metrics import MetricsObserver  # noqa: E402
-from scheduler.types import Request, SamplingParams  # noqa: E402
-from server.app import build_components, served_names  # noqa: E402
-from server.config import Settings  # noqa: E402
+from scheduler.engine import AsyncEngine
+from scheduler.metrics import MetricsObserver
+from scheduler.types import Request, SamplingParams
+from server.app import build_components, served_names
+from server.config import Settings
+from tests.support.server import SpecdServer, serve_args
 
 MESSAGES = [{"role": "user", "content": "Write a long story about a dragon who learns to fly."}]
 
@@ -83,8 +79,8 @@ def main() -> None:
     text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)
 
-    cli = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()] + ["--log-level", "warning"]
-    server = SpecdServer(cli + (["--model", args.model] if args.model else []), Path(tempfile.mkdtemp()) / "specd.log")
+    cli = serve_args(model=args.model, **flags, log_level="warning")
+    server = SpecdServer(cli, Path(tempfile.mkdtemp()) / "specd.log")
     try:
         server.wait_ready()
         model = served_names(settings)[0]

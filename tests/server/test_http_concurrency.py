@@ -18,24 +18,6 @@ def model(tiny_server) -> str:
     return httpx.get(tiny_server.base_url + "/models").json()["data"][0]["id"]
 
 
-def metric(server, name: str, **labels) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} {labels} not in /metrics")
-
-
-def wait_idle(server, timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = httpx.get(server.base_url + "/speculation").json()
-        if info["requests_running"] == 0 and info["requests_waiting"] == 0:
-            return info
-        time.sleep(0.1)
-    raise AssertionError(f"requests still running after {timeout}s: {info}")
-
-
 async def test_20_concurrent_streams_equal_one_by_one(tiny_server, model):
     client = openai.AsyncOpenAI(base_url=tiny_server.base_url, api_key="unused", max_retries=0, timeout=300)
 
@@ -57,7 +39,7 @@ async def test_20_concurrent_streams_equal_one_by_one(tiny_server, model):
 
 
 async def test_20_clients_disconnecting_mid_stream(tiny_server, model):
-    aborted_before = metric(tiny_server, "specd_requests_total", finish_reason="abort")
+    aborted_before = tiny_server.metrics().value("specd_requests_total", finish_reason="abort")
     body = {"model": model, "prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
 
     async def leave_early(http: httpx.AsyncClient) -> int:
@@ -71,11 +53,13 @@ async def test_20_clients_disconnecting_mid_stream(tiny_server, model):
 
     async with httpx.AsyncClient(base_url=tiny_server.base_url, timeout=120) as http:
         assert await asyncio.gather(*(leave_early(http) for _ in range(20))) == [3] * 20
-    info = wait_idle(tiny_server)
+    tiny_server.wait_idle(timeout=60)
+    info = httpx.get(tiny_server.base_url + "/speculation").json()
+    assert info["requests_running"] == info["requests_waiting"] == 0
     assert info["kv_cache_usage"] == 0
-    assert metric(tiny_server, "specd_kv_cache_usage_ratio") == 0
-    assert metric(tiny_server, "specd_requests_running") == 0
-    assert metric(tiny_server, "specd_requests_total", finish_reason="abort") == aborted_before + 20
+    assert tiny_server.metrics().value("specd_kv_cache_usage_ratio") == 0
+    assert tiny_server.metrics().value("specd_requests_running") == 0
+    assert tiny_server.metrics().value("specd_requests_total", finish_reason="abort") == aborted_before + 20
     assert "status=499 stream=true" in tiny_server.log()
     reply = httpx.post(
         tiny_server.base_url + "/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2}, timeout=60
@@ -84,12 +68,12 @@ async def test_20_clients_disconnecting_mid_stream(tiny_server, model):
 
 
 def test_non_stream_client_disconnect_aborts(tiny_server, model):
-    aborted_before = metric(tiny_server, "specd_requests_total", finish_reason="abort")
+    aborted_before = tiny_server.metrics().value("specd_requests_total", finish_reason="abort")
     body = {"model": model, "prompt": "Hello", "max_tokens": 500, "ignore_eos": True, "n": 4}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(tiny_server.base_url + "/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
-    wait_idle(tiny_server)
-    assert metric(tiny_server, "specd_requests_total", finish_reason="abort") == aborted_before + 4
+    tiny_server.wait_idle(timeout=60)
+    assert tiny_server.metrics().value("specd_requests_total", finish_reason="abort") == aborted_before + 4
 
 
 def test_request_log_line(tiny_server, model):

@@ -7,13 +7,12 @@ import signal
 
 import httpx
 import openai
-from specd_http import SpecdServer, finish_server, start_server
+
+from tests.support.server import SpecdServer, finish_server, serve_args, start_server
 
 
 def test_sigterm_lets_a_running_stream_finish_then_exits_0(tiny_llama_dir, tmp_path):
-    server = SpecdServer(
-        ["--model", str(tiny_llama_dir), "--dtype", "float32", "--shutdown-timeout", "60"], tmp_path / "log"
-    )
+    server = SpecdServer(serve_args(model=tiny_llama_dir, dtype="float32", shutdown_timeout=60), tmp_path / "log")
     try:
         server.wait_ready()
         body = {"model": str(tiny_llama_dir), "prompt": "Hello", "max_tokens": 150, "ignore_eos": True, "stream": True}
@@ -36,7 +35,7 @@ def test_sigterm_lets_a_running_stream_finish_then_exits_0(tiny_llama_dir, tmp_p
 
 
 def test_a_model_that_cannot_load_exits_1_with_a_message(tmp_path):
-    server = SpecdServer(["--model", str(tmp_path / "missing")], tmp_path / "log")
+    server = SpecdServer(serve_args(model=tmp_path / "missing"), tmp_path / "log")
     try:
         assert server.process.wait(timeout=120) == 1
     finally:
@@ -46,9 +45,7 @@ def test_a_model_that_cannot_load_exits_1_with_a_message(tmp_path):
 
 def test_default_smollm2_streams_a_chat_reply(specd_cache_dir, tmp_path):
     """No --model: the bundled GGUF is converted once into --cache-dir, then served."""
-    server = start_server(
-        ["--cache-dir", str(specd_cache_dir), "--max-num-seqs", "2", "--max-model-len", "512"], tmp_path, "smollm2"
-    )
+    server = start_server(serve_args(cache_dir=specd_cache_dir, max_num_seqs=2, max_model_len=512), tmp_path, "smollm2")
     try:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
@@ -71,15 +68,14 @@ def test_default_smollm2_streams_a_chat_reply(specd_cache_dir, tmp_path):
 
 def test_a_draft_with_another_tokenizer_stops_start_up(tiny_llama_dir, tiny_draft_dir, tmp_path):
     """The server never starts with a draft whose vocabulary differs: exit 1, and the log says why."""
-    from tiny_models import build_tokenizer
     from transformers import AutoModelForCausalLM
+
+    from tests.support.tiny_models import build_tokenizer
 
     bad = tmp_path / "bad-draft"
     AutoModelForCausalLM.from_pretrained(tiny_draft_dir).save_pretrained(bad)
     build_tokenizer(vocab_size=300).save_pretrained(bad)
-    server = SpecdServer(
-        ["--model", str(tiny_llama_dir), "--draft-model", str(bad), "--dtype", "float32"], tmp_path / "log"
-    )
+    server = SpecdServer(serve_args(model=tiny_llama_dir, draft_model=bad, dtype="float32"), tmp_path / "log")
     try:
         assert server.process.wait(timeout=120) == 1
         assert "incompatible" in server.log() and "tokenizer" in server.log()

@@ -8,7 +8,8 @@ import asyncio
 import httpx
 import openai
 import pytest
-from specd_http import API_KEY, cycle_output
+
+from tests.support.server import API_KEY
 
 CHAT = [{"role": "user", "content": "go"}]  # the chat template ends in "\n": the cycle goes on with "A"
 
@@ -29,10 +30,10 @@ def stream_chat(client, **kwargs) -> tuple[list[str], str | None]:
 
 
 @pytest.mark.parametrize("speculation", [False, True])
-def test_multibyte_characters_are_never_split(client, speculation):
+def test_multibyte_characters_are_never_split(client, cycle_text, speculation):
     deltas, finish = stream_chat(client, max_tokens=40, extra_body={"speculation": speculation})
     assert finish == "length"
-    assert "".join(deltas) == cycle_output(len("".join(deltas)))
+    assert "".join(deltas) == cycle_text.chars(len("".join(deltas)))
     assert "😀" in "".join(deltas) and "日" in "".join(deltas)
     assert all("\ufffd" not in d for d in deltas)
     if not speculation:
@@ -70,15 +71,15 @@ def test_include_stop_str_in_output(client):
     assert reply.choices[0].text == "Ab😀 日" and reply.choices[0].finish_reason == "stop"
 
 
-def test_completion_stream_text_and_echo(client):
+def test_completion_stream_text_and_echo(client, cycle_text):
     chunks = list(client.completions.create(model="cycle", prompt="\n", max_tokens=26, stream=True, echo=True))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert text == "\n" + cycle_output(len(text) - 1)
+    assert text == "\n" + cycle_text.chars(len(text) - 1)
     assert chunks[0].choices[0].text == "\n"
 
 
-def test_prediction_tokens_are_accepted(client):
-    two_cycles = cycle_output(16)  # 8 characters, 14 tokens per cycle
+def test_prediction_tokens_are_accepted(client, cycle_text):
+    two_cycles = cycle_text.chars(16)  # 8 characters, 14 tokens per cycle
     reply = client.chat.completions.create(
         model="cycle",
         messages=CHAT,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from tiny_models import build_tokenizer
 
 from scheduler.types import FinishReason, RequestOutput, SamplingParams
 from server.choices import Choice, usage_of
+from tests.support.tiny_models import build_tokenizer
 
 
 class FakeStream:

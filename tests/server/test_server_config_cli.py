@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 import pytest
-from specd_http import REPO
 
 from server.cli import build_parser, main
 from server.config import Settings, load_settings
 from server.errors import loc_to_param
+from tests.support import REPO
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from tiny_models import build_tokenizer
 
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenTexts
+from tests.support.tiny_models import build_tokenizer
 
 TEXTS = ["Café naïve — über 日本語 😀 emoji", "Hello world! 😀😀 é", "plain ascii only"]
 

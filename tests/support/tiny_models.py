@@ -2,6 +2,7 @@
 
 Each builder saves a complete model directory (config, weights, tokenizer,
 chat template) so tests go through the same loading path as `--model DIR`.
+The chat template is the product's own fallback (server/serving_chat.py).
 """
 
 from __future__ import annotations
@@ -19,10 +20,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from server.serving_chat import CHATML_TEMPLATE
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -33,6 +31,12 @@ _CORPUS = [
     "for i in range(10):\n    print(i * i)\n",
     "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z 0 1 2 3 4 5 6 7 8 9",
 ] * 20
+
+# architecture -> (config class, model class, default layers, default seed, what differs in the config)
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, 4, 0, {"num_key_value_heads": 2, "tie_word_embeddings": False}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, 3, 1, {"num_key_value_heads": 1, "tie_word_embeddings": True}),
+}
 
 
 def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
@@ -52,7 +56,7 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = CHATML_TEMPLATE
     return fast
 
 
@@ -65,44 +69,27 @@ def _save(model, tokenizer, path: Path) -> Path:
     return path
 
 
-def build_tiny_llama(path: Path, num_layers: int = 4, seed: int = 0) -> Path:
+def build_tiny_model(
+    path: Path, architecture: str = "llama", num_layers: int | None = None, seed: int | None = None
+) -> Path:
+    """A random `architecture` model (see ARCHITECTURES: llama, 4 layers, seed 0; qwen2, 3 layers, seed 1),
+    hidden size 64, 4 heads, 512 positions, with sharpened logits, saved to `path`."""
+    config_class, model_class, default_layers, default_seed, specific = ARCHITECTURES[architecture]
     tokenizer = build_tokenizer()
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    torch.manual_seed(default_seed if seed is None else seed)
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=num_layers,
+        num_hidden_layers=default_layers if num_layers is None else num_layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        **specific,
     )
-    model = LlamaForCausalLM(config)
-    _scale_up_logits(model)
-    return _save(model, tokenizer, path)
-
-
-def build_tiny_qwen2(path: Path, num_layers: int = 3, seed: int = 1) -> Path:
-    tokenizer = build_tokenizer()
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(config)
+    model = model_class(config)
     _scale_up_logits(model)
     return _save(model, tokenizer, path)
 

@@ -1,6 +1,7 @@
 """`specd serve` with one test-only route, GET /_probe, for leak checks.
 
-Run as `python tests/reliability/probe_serve.py serve ARGS...`: the same CLI,
+Run as `python -m tests.support.probe_serve serve ARGS...` from the repo root
+(`SpecdServer(..., probe=True)` does): the same CLI,
 app and engine as `specd serve`; the app factory is wrapped so that the app
 also answers /_probe with the live asyncio tasks and threads and the size of
 every per-request table the engine keeps. Nothing in the product exposes this.
@@ -12,12 +13,9 @@ import asyncio
 import gc
 import sys
 import threading
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import server.app  # noqa: E402
-from server import cli  # noqa: E402
+import server.app
+from server import cli
 
 _product_create_app = server.app.create_app
 
