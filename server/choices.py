@@ -5,6 +5,11 @@ into what the client may see: incremental detokenization, stop-string
 holdback, and logprobs released together with their text. `run_choices`
 merges the choices of one request (`n`, several prompts) into one sequence of
 updates; `collect` (JSON body) and `sse_stream` (SSE body) consume it.
+A `Generation` bundles what those need of one request: its choices, the
+`ResponseHead` its responses repeat, its sampling fields and its log record.
+
+This module knows nothing of the serving context: a `Choice` gets only the
+tokenizer it decodes with.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from sse_starlette import EventSourceResponse
 
@@ -23,10 +28,8 @@ from scheduler.engine import RequestStream
 from scheduler.types import FinishReason, RequestOutput
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.errors import APIError, EngineError
-from server.protocol import CompletionTokensDetails, SamplingFields, Usage
-
-if TYPE_CHECKING:
-    from server.serving import RequestRecord, ServingContext
+from server.protocol import CompletionTokensDetails, ResponseHead, SamplingFields, Usage
+from server.record import RequestRecord
 
 logger = logging.getLogger("specd.server")
 
@@ -68,7 +71,7 @@ class Choice:
         self,
         index: int,
         stream: RequestStream,
-        ctx: ServingContext,
+        tokenizer: Any,
         req: SamplingFields,
         prompt_ids: list[int],
     ):
@@ -76,7 +79,7 @@ class Choice:
         self.stream = stream
         self.want_logprobs = stream.request.params.logprobs is not None
         self.has_prediction = stream.request.prediction_ids is not None
-        self._detokenizer = IncrementalDetokenizer(ctx.tokenizer, prompt_ids, req.skip_special_tokens)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, req.skip_special_tokens)
         stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
         self._stops = StopStringMatcher(stops, req.include_stop_str_in_output)
         self._pending: list[TokenInfo] = []
@@ -201,6 +204,13 @@ def abort_all(choices: list[Choice]) -> None:
         choice.stream.abort()
 
 
+def finish_all(choices: list[Choice], record: RequestRecord) -> None:
+    """However a request ends: abort what still runs, and count every choice in the log record."""
+    abort_all(choices)
+    for choice in choices:
+        record.add_choice(choice.last, choice.finish_reason)
+
+
 def usage_of(choices: list[Choice], num_prompt_tokens: int) -> Usage:
     completion = accepted = rejected = 0
     for choice in choices:
@@ -221,8 +231,23 @@ def usage_of(choices: list[Choice], num_prompt_tokens: int) -> Usage:
     )
 
 
-async def collect(choices: list[Choice], record: RequestRecord) -> dict[int, Collected]:
+@dataclass
+class Generation:
+    """One request in flight: its choices and what its response (or its stream's chunks) needs."""
+
+    head: ResponseHead
+    req: SamplingFields
+    choices: list[Choice]
+    record: RequestRecord
+    num_prompt_tokens: int
+
+    def usage(self) -> Usage:
+        return usage_of(self.choices, self.num_prompt_tokens)
+
+
+async def collect(gen: Generation) -> dict[int, Collected]:
     """Run a non-streamed request to the end: each choice's text, tokens and finish reason."""
+    choices, record = gen.choices, gen.record
     results = {c.index: Collected() for c in choices}
     try:
         async for update in run_choices(choices, record):
@@ -231,8 +256,7 @@ async def collect(choices: list[Choice], record: RequestRecord) -> dict[int, Col
             result.tokens += update.tokens
             result.finish_reason = update.finish_reason or result.finish_reason
     finally:
-        abort_all(choices)
-        record.add_choices(choices)
+        finish_all(choices, record)
     return results
 
 
@@ -244,26 +268,24 @@ class Collected:
 
 
 async def sse_stream(
-    choices: list[Choice],
-    record: RequestRecord,
+    gen: Generation,
     opening: list[bytes],
     render: Callable[[ChoiceUpdate | None, Usage | None], bytes],
-    req: SamplingFields,
-    num_prompt_tokens: int,
 ) -> AsyncIterator[bytes]:
     """SSE body: `opening` chunks, one chunk per update, the usage chunk, `[DONE]`.
 
     `render(None, usage)` is the usage chunk. An engine failure after the
     headers went out is sent as an error event (the OpenAI SDKs raise it).
     """
-    include_usage, continuous = stream_flags(req)
+    choices, record = gen.choices, gen.record
+    include_usage, continuous = stream_flags(gen.req)
     try:
         for chunk in opening:
             yield chunk
         async for update in run_choices(choices, record):
-            yield render(update, usage_of(choices, num_prompt_tokens) if continuous else None)
+            yield render(update, gen.usage() if continuous else None)
         if include_usage:
-            yield render(None, usage_of(choices, num_prompt_tokens))
+            yield render(None, gen.usage())
     except APIError as exc:
         record.status = exc.status_code
         yield sse_error(exc)
@@ -275,8 +297,7 @@ async def sse_stream(
         record.status = 500
         yield sse_error(EngineError("internal server error", code="internal_error"))
     finally:
-        abort_all(choices)
-        record.add_choices(choices)
+        finish_all(choices, record)
     yield SSE_DONE
 
 
@@ -312,18 +333,11 @@ def sse_error(exc: APIError) -> bytes:
     return sse(json.dumps(body))
 
 
-def chunk_encoder(response_cls, ctx, req, response_id: str, created: int):
-    """SSE encoder for one streamed response: its chunks share id, created, model and fingerprint."""
+def chunk_encoder(response_cls, head: ResponseHead) -> Callable[[list, Usage | None], bytes]:
+    """SSE encoder for one streamed response: its chunks share the `head`."""
 
-    def encode(items: list, usage) -> bytes:
-        body = response_cls(
-            id=response_id,
-            created=created,
-            model=req.model,
-            system_fingerprint=ctx.system_fingerprint,
-            choices=items,
-            usage=usage,
-        )
+    def encode(items: list, usage: Usage | None) -> bytes:
+        body = response_cls(**head.fields(), choices=items, usage=usage)
         return sse(body.model_dump_json(exclude_none=True))
 
     return encode

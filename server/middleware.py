@@ -9,7 +9,7 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import error_response
-from server.serving import RECORD_SCOPE_KEY, RequestRecord
+from server.record import RECORD_SCOPE_KEY, RequestRecord
 
 request_logger = logging.getLogger("specd.request")
 

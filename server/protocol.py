@@ -14,6 +14,8 @@ most `MAX_STOP_STRING_CHARS` characters each (OpenAI allows 4); `n` is at most
 from __future__ import annotations
 
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
@@ -177,6 +179,34 @@ class CompletionRequest(SamplingFields):
 
 class OpenAIResponse(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    """What a completion and every stream chunk of it repeat: id, created, model, fingerprint.
+
+    The `object` kind is not here: each response class fixes its own
+    (`chat.completion` vs `chat.completion.chunk`, `text_completion`).
+    """
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+    @classmethod
+    def new(cls, id_prefix: str, model: str, system_fingerprint: str) -> ResponseHead:
+        """A fresh head: a random id with `id_prefix` (`chatcmpl`, `cmpl`), created now."""
+        return cls(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), model, system_fingerprint)
+
+    def fields(self) -> dict[str, Any]:
+        """The head as keyword arguments of a response model."""
+        return {
+            "id": self.id,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
+        }
 
 
 class CompletionTokensDetails(OpenAIResponse):

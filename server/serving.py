@@ -2,17 +2,17 @@
 
 A request becomes one engine `Request` per choice (`n`, and per prompt for a
 list of prompts), with `SamplingParams` built here; `server.choices` turns
-the engine streams back into text. Also: the serving context, the per-request
-log record, and cancelling work whose client has gone.
+the engine streams back into text (the per-request log record is in
+`server.record`). Also: the serving context, and cancelling work whose client
+has gone.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request as HTTPRequest
 
@@ -21,9 +21,6 @@ from scheduler.types import MAX_LOGIT_BIAS, Request, SamplingParams
 from server.detokenizer import TokenTexts
 from server.errors import APIError, BadRequestError, NotFoundError
 from server.protocol import SamplingFields
-
-if TYPE_CHECKING:
-    from server.choices import Choice
 
 SEED_MASK = 2**63 - 1
 
@@ -54,43 +51,6 @@ class ServingContext:
                 param="model",
                 code="model_not_found",
             )
-
-
-@dataclass
-class RequestRecord:
-    """What the per-request log line reports; filled by the endpoint, logged by middleware."""
-
-    endpoint: str
-    arrival: float = field(default_factory=time.monotonic)
-    request_id: str = "-"
-    stream: bool = False
-    n: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    first_token: float | None = None
-    spec_accepted: int = 0
-    spec_drafted: int = 0
-    finish_reasons: list[str] = field(default_factory=list)
-    status: int | None = None  # set when the status differs from the HTTP one (stream errors)
-
-    def add_choices(self, choices: list[Choice]) -> None:
-        for choice in choices:
-            out = choice.last
-            if out is not None:
-                self.completion_tokens += out.num_output_tokens
-                self.spec_accepted += out.num_accepted_tokens
-                self.spec_drafted += out.num_draft_tokens
-            self.finish_reasons.append(choice.finish_reason or "abort")
-
-
-RECORD_SCOPE_KEY = "specd.record"
-
-
-def request_record(request: HTTPRequest) -> RequestRecord:
-    record = request.scope.get(RECORD_SCOPE_KEY)
-    if record is None:
-        record = request.scope[RECORD_SCOPE_KEY] = RequestRecord(endpoint=request.url.path)
-    return record
 
 
 # -- sampling parameters -----------------------------------------------------------

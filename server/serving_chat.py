@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
-
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
@@ -12,6 +9,7 @@ from scheduler.types import InvalidRequestError
 from server.choices import (
     Choice,
     ChoiceUpdate,
+    Generation,
     SSEResponse,
     TokenInfo,
     chunk_encoder,
@@ -19,7 +17,6 @@ from server.choices import (
     collect,
     sse_stream,
     stream_flags,
-    usage_of,
 )
 from server.errors import BadRequestError
 from server.protocol import (
@@ -32,14 +29,15 @@ from server.protocol import (
     ChoiceLogprobs,
     ContentPart,
     DeltaMessage,
+    ResponseHead,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
+from server.record import request_record
 from server.serving import (
     ServingContext,
     check_stream_options,
-    request_record,
     sampling_params,
     submit_all,
     until_disconnected,
@@ -132,28 +130,25 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     params = [sampling_params(ctx, req, max_tokens=max_tokens, logprobs=logprobs, choice=i) for i in range(req.n)]
 
     record = request_record(raw)
-    response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    record.request_id, record.stream, record.n, record.prompt_tokens = response_id, req.stream, req.n, len(prompt_ids)
+    head = ResponseHead.new("chatcmpl", req.model, ctx.system_fingerprint)
+    record.request_id, record.stream, record.n, record.prompt_tokens = head.id, req.stream, req.n, len(prompt_ids)
     try:
-        streams = submit_all(ctx, response_id, [prompt_ids] * req.n, params, prediction_ids)
+        streams = submit_all(ctx, head.id, [prompt_ids] * req.n, params, prediction_ids)
     except InvalidRequestError as exc:
         if exc.param == "prompt":  # the engine sees a prompt; a chat request's prompt is its messages
             exc.param = "messages"
         raise
-    choices = [Choice(i, stream, ctx, req, prompt_ids) for i, stream in enumerate(streams)]
-    created = int(time.time())
+    choices = [Choice(i, stream, ctx.tokenizer, req, prompt_ids) for i, stream in enumerate(streams)]
+    gen = Generation(head, req, choices, record, len(prompt_ids))
     if req.stream:
-        return _stream(ctx, req, response_id, created, choices, record, len(prompt_ids))
-    return await until_disconnected(raw, _complete(ctx, req, response_id, created, choices, record, len(prompt_ids)))
+        return _stream(ctx, gen)
+    return await until_disconnected(raw, _complete(ctx, gen))
 
 
-async def _complete(ctx, req, response_id, created, choices, record, num_prompt_tokens) -> ChatCompletionResponse:
-    results = await collect(choices, record)
+async def _complete(ctx: ServingContext, gen: Generation) -> ChatCompletionResponse:
+    results = await collect(gen)
     return ChatCompletionResponse(
-        id=response_id,
-        created=created,
-        model=req.model,
-        system_fingerprint=ctx.system_fingerprint,
+        **gen.head.fields(),
         choices=[
             ChatChoice(
                 index=c.index,
@@ -163,16 +158,16 @@ async def _complete(ctx, req, response_id, created, choices, record, num_prompt_
                 else None,
                 finish_reason=results[c.index].finish_reason,
             )
-            for c in choices
+            for c in gen.choices
         ],
-        usage=usage_of(choices, num_prompt_tokens),
+        usage=gen.usage(),
     )
 
 
-def _stream(ctx, req, response_id, created, choices: list[Choice], record, num_prompt_tokens) -> SSEResponse:
-    want_logprobs = choices[0].want_logprobs
+def _stream(ctx: ServingContext, gen: Generation) -> SSEResponse:
+    want_logprobs = gen.choices[0].want_logprobs
 
-    chunk = chunk_encoder(ChatCompletionChunk, ctx, req, response_id, created)
+    chunk = chunk_encoder(ChatCompletionChunk, gen.head)
 
     def render(update: ChoiceUpdate | None, usage: Usage | None) -> bytes:
         if update is None:
@@ -184,11 +179,10 @@ def _stream(ctx, req, response_id, created, choices: list[Choice], record, num_p
             usage,
         )
 
-    _, continuous = stream_flags(req)
-    opening_usage = usage_of(choices, num_prompt_tokens) if continuous else None
+    _, continuous = stream_flags(gen.req)
+    opening_usage = gen.usage() if continuous else None
     opening = [
         chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))], opening_usage)
-        for c in choices
+        for c in gen.choices
     ]
-    body = sse_stream(choices, record, opening, render, req, num_prompt_tokens)
-    return SSEResponse(body, choices, ctx.shutdown_timeout)
+    return SSEResponse(sse_stream(gen, opening, render), gen.choices, ctx.shutdown_timeout)

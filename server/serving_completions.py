@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import time
-import uuid
+from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
@@ -11,6 +10,7 @@ from fastapi.responses import Response
 from server.choices import (
     Choice,
     ChoiceUpdate,
+    Generation,
     SSEResponse,
     TokenInfo,
     chunk_encoder,
@@ -18,7 +18,6 @@ from server.choices import (
     collect,
     sse_stream,
     stream_flags,
-    usage_of,
 )
 from server.errors import BadRequestError
 from server.protocol import (
@@ -27,17 +26,25 @@ from server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    ResponseHead,
     Usage,
 )
+from server.record import request_record
 from server.serving import (
     ServingContext,
     check_stream_options,
     check_token_ids,
-    request_record,
     sampling_params,
     submit_all,
     until_disconnected,
 )
+
+
+@dataclass
+class CompletionGeneration(Generation):
+    """A text completion in flight; `echoes[i]` is the prompt text choice i repeats (`echo`), else ''."""
+
+    echoes: list[str]
 
 
 def tokenize_prompts(ctx: ServingContext, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
@@ -98,30 +105,27 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: HT
     echoes = [prompt_texts[i // req.n] if req.echo else "" for i in range(len(prompts))]
 
     record = request_record(raw)
-    response_id = f"cmpl-{uuid.uuid4().hex}"
+    head = ResponseHead.new("cmpl", req.model, ctx.system_fingerprint)
     num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
     record.request_id, record.stream, record.n, record.prompt_tokens = (
-        response_id,
+        head.id,
         req.stream,
         len(prompts),
         num_prompt_tokens,
     )
-    streams = submit_all(ctx, response_id, prompts, params)
-    choices = [Choice(i, stream, ctx, req, ids) for i, (stream, ids) in enumerate(zip(streams, prompts))]
-    created = int(time.time())
+    streams = submit_all(ctx, head.id, prompts, params)
+    choices = [Choice(i, stream, ctx.tokenizer, req, ids) for i, (stream, ids) in enumerate(zip(streams, prompts))]
+    gen = CompletionGeneration(head, req, choices, record, num_prompt_tokens, echoes)
     if req.stream:
-        return _stream(ctx, req, response_id, created, choices, echoes, record, num_prompt_tokens)
-    work = _complete(ctx, req, response_id, created, choices, echoes, record, num_prompt_tokens)
-    return await until_disconnected(raw, work)
+        return _stream(ctx, gen)
+    return await until_disconnected(raw, _complete(ctx, gen))
 
 
-async def _complete(ctx, req, response_id, created, choices, echoes, record, num_prompt_tokens) -> CompletionResponse:
-    results = await collect(choices, record)
+async def _complete(ctx: ServingContext, gen: CompletionGeneration) -> CompletionResponse:
+    results = await collect(gen)
+    echoes = gen.echoes
     return CompletionResponse(
-        id=response_id,
-        created=created,
-        model=req.model,
-        system_fingerprint=ctx.system_fingerprint,
+        **gen.head.fields(),
         choices=[
             CompletionChoice(
                 index=c.index,
@@ -131,28 +135,28 @@ async def _complete(ctx, req, response_id, created, choices, echoes, record, num
                 else None,
                 finish_reason=results[c.index].finish_reason,
             )
-            for c in choices
+            for c in gen.choices
         ],
-        usage=usage_of(choices, num_prompt_tokens),
+        usage=gen.usage(),
     )
 
 
-def _stream(ctx, req, response_id, created, choices: list[Choice], echoes, record, num_prompt_tokens) -> SSEResponse:
-    chunk = chunk_encoder(CompletionResponse, ctx, req, response_id, created)
+def _stream(ctx: ServingContext, gen: CompletionGeneration) -> SSEResponse:
+    choices, echoes = gen.choices, gen.echoes
+    chunk = chunk_encoder(CompletionResponse, gen.head)
 
     def render(update: ChoiceUpdate | None, usage: Usage | None) -> bytes:
         if update is None:
             return chunk([], usage)
         choice = choices[update.index]
-        offset = len(echoes[update.index]) if req.echo else 0
+        offset = len(echoes[update.index])  # '' without `echo`
         logprobs = legacy_logprobs(ctx, update.tokens, offset) if choice.want_logprobs else None
         item = CompletionChoice(
             index=update.index, text=update.text, logprobs=logprobs, finish_reason=update.finish_reason
         )
         return chunk([item], usage)
 
-    _, continuous = stream_flags(req)
-    opening_usage = usage_of(choices, num_prompt_tokens) if continuous else None
+    _, continuous = stream_flags(gen.req)
+    opening_usage = gen.usage() if continuous else None
     opening = [chunk([CompletionChoice(index=i, text=text)], opening_usage) for i, text in enumerate(echoes) if text]
-    body = sse_stream(choices, record, opening, render, req, num_prompt_tokens)
-    return SSEResponse(body, choices, ctx.shutdown_timeout)
+    return SSEResponse(sse_stream(gen, opening, render), choices, ctx.shutdown_timeout)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from scheduler.types import FinishReason, RequestOutput, SamplingParams
-from server.choices import Choice, usage_of
+from server.choices import Choice, chunk_encoder, usage_of
+from server.protocol import CompletionChoice, CompletionResponse, ResponseHead
 from tests.support.tiny_models import build_tokenizer
 
 
@@ -27,7 +32,7 @@ def tokenizer():
 
 def make_choice(tokenizer, stop: list[str]) -> Choice:
     req = SimpleNamespace(stop=stop, include_stop_str_in_output=False, skip_special_tokens=True)
-    return Choice(0, FakeStream(), SimpleNamespace(tokenizer=tokenizer), req, prompt_ids=[])
+    return Choice(0, FakeStream(), tokenizer, req, prompt_ids=[])
 
 
 @pytest.mark.parametrize("split", [1, 3, 100], ids=["token-per-step", "three-per-step", "one-verify-run"])
@@ -57,3 +62,26 @@ def test_usage_without_stop_strings_is_the_engine_count(tokenizer):
     ids = tokenizer.encode("hello world", add_special_tokens=False)
     choice.update(RequestOutput("r", ids, finished=True, finish_reason=FinishReason.LENGTH, num_output_tokens=len(ids)))
     assert usage_of([choice], 2).completion_tokens == len(ids)
+
+
+def test_chunks_repeat_the_response_head_in_openai_field_order():
+    head = ResponseHead("cmpl-1", 1700000000, "m", "fp_x")
+    encode = chunk_encoder(CompletionResponse, head)
+    body = encode([CompletionChoice(index=0, text="hi")], None)
+    assert body.startswith(b"data: ") and body.endswith(b"\n\n")
+    chunk = json.loads(body[len(b"data: ") :])
+    assert list(chunk) == ["id", "object", "created", "model", "system_fingerprint", "choices"]
+    assert (chunk["id"], chunk["object"], chunk["created"], chunk["model"], chunk["system_fingerprint"]) == (
+        "cmpl-1",
+        "text_completion",
+        1700000000,
+        "m",
+        "fp_x",
+    )
+
+
+def test_choices_do_not_import_the_serving_layer():
+    """`server.choices` needs a tokenizer and a log record, not the serving context (no import cycle)."""
+    code = "import sys, server.choices; sys.exit('server.serving' in sys.modules)"
+    root = Path(__file__).resolve().parents[2]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
