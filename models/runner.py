@@ -33,6 +33,7 @@ from models.sampling import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
     SamplingTensors,
+    compute_logprobs,
     greedy_ids,
     plan_penalty_counts,
     process_logits,
@@ -354,10 +355,7 @@ class ModelRunner:
         top_n = max((r.params.logprobs or 0 for r in requests), default=0)
         if want_logprobs:
             # Log-probabilities of the raw target distribution at every grid position; the host keeps the emitted ones.
-            logprobs = torch.log_softmax(grid, dim=-1)  # [rows, n_max, V]
-            results.append(logprobs.gather(-1, token_ids.clamp(min=0)[..., None]).squeeze(-1))
-            top_lp, top_ids = logprobs.topk(top_n, dim=-1)
-            results += [top_ids, top_lp]
+            results += compute_logprobs(grid, token_ids, top_n)  # chosen, top ids, top logprobs
         host = download(*results)
         return self._outputs(plan, host, want_logprobs)
 

@@ -368,12 +368,14 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
 
 
 def compute_logprobs(logits: Tensor, token_ids: Tensor, top_n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Raw logits `[N, V]`, chosen ids `[N]` -> (chosen logprob `[N]`, top ids `[N, top_n]`, top logprobs `[N, top_n]`).
+    """Raw logits `[..., V]`, chosen ids `[...]` -> (chosen logprob `[...]`, top ids `[..., top_n]`,
+    top logprobs `[..., top_n]`).
 
     Log-probabilities of the model's own distribution (log_softmax of the raw
-    logits, before any penalty or filter), as OpenAI reports them.
+    logits, before any penalty or filter), as OpenAI reports them. Negative
+    ids (padding) read id 0's.
     """
-    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [N, V]
-    chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [..., V]
+    chosen = logprobs.gather(-1, token_ids.clamp(min=0)[..., None]).squeeze(-1)
     top_logprobs, top_ids = logprobs.topk(top_n, dim=-1)
     return chosen, top_ids, top_logprobs
