@@ -4,6 +4,8 @@ Rule (documented in README, "How `auto` decides"):
 
 * `speculation: false` rows never draft; `true` rows always draft their K
   (request `num_speculative_tokens` or the engine's), whatever the batch.
+  An `auto` row that brings a prediction (Predicted Outputs) drafts from it
+  like a `true` row, within the operator's cap: the client asked for it.
 * `auto` rows decide per row, every step. Each request keeps decayed counts,
   per draft position j, of verify steps that reached j and that accepted it;
   their ratio a_j = P(draft j accepted | drafts before it accepted) is shrunk
@@ -57,7 +59,7 @@ EXPLORE_MARGIN = 2.0
 # plans chosen are the ones whose gains were overestimated (a maximum over noisy
 # estimates is biased up), and a call inside the error is a coin flip that
 # costs a verify step's fixed price when it loses.
-MIN_EDGE = 0.05
+MIN_EDGE, MAX_EDGE = 0.05, 0.25  # past 25% the error is noise (a loaded machine), not bias
 
 
 @dataclass
@@ -210,7 +212,9 @@ class SpecPolicy:
             mode, k_max = request.params.speculation, k_maxes[i]
             if k_max == 0 or mode is False or self.method_of(request) is None:
                 continue
-            if mode is True or not self.config.adaptive:
+            # A prediction is the client's own draft (OpenAI's Predicted Outputs): used whenever
+            # the operator's cap allows, as OpenAI always uses it, not second-guessed by the model.
+            if mode is True or not self.config.adaptive or self.method_of(request) == "prediction":
                 if mode is True or auto_allowed:
                     ks[i] = k_max
                 continue
@@ -278,7 +282,8 @@ class SpecPolicy:
             seconds += spec_cost  # the first draft makes this a verify step
             edge = (expected / seconds) / (plain_expected / plain_seconds)
             explore = cost.is_fitted and edge < EXPLORE_MARGIN and cost.plain_support(base.num_tokens) < EXPLORE_BELOW
-            margin = max(cost.calibration.relative_error, MIN_EDGE) if cost.calibration.num_steps else MIN_EDGE
+            error = cost.calibration.relative_error if cost.calibration.num_steps else 0.0
+            margin = min(max(error, MIN_EDGE), MAX_EDGE)
             if edge <= 1.0 + margin or explore:
                 self.num_explored += edge > 1.0 + margin
                 budget += sum(chosen)

@@ -287,3 +287,17 @@ def test_a_prefill_chunk_in_the_step_does_not_make_drafts_look_cheap():
     beside, plan = policy.decide(batch, [8] * 8, 1024, base=StepShape(8 + 512, 8 + 512))
     assert alone == beside == [0] * 8  # counting the prefill in, every row would draft 8
     assert plan.predicted_seconds == pytest.approx(fn(StepShape(520, 520)), rel=0.05)  # the whole step
+
+
+def test_a_prediction_is_used_whenever_the_operator_allows():
+    """Predicted Outputs are the client's own draft: used even where the cost
+    model would not draft, but not past the operator's cap or `speculation: false`."""
+    costly = trained(linear(0.1, 5.0))
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=6, spec_disable_batch_size=2), "ngram", cost=costly)
+    predicted, plain = req("p"), req("q")
+    predicted.prediction_ids = [1, 2, 3]
+    refused = req("r", speculation=False)
+    refused.prediction_ids = [1, 2, 3]
+    assert decide(policy, [plain]) == [0]  # drafting does not pay here
+    assert decide(policy, [predicted, refused]) == [6, 0]
+    assert decide(policy, [predicted, refused], running=3) == [0, 0]  # over the cap
