@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models.kv_cache import KVCache, LayoutPlan, StepLayout
-from models.transfer import HostBuffer
+from models.kv_cache import KVCache, StepLayout
 
 
 @torch.inference_mode()
@@ -32,25 +31,6 @@ def forward_step(
     finally:
         cache.layout = None
     return out.logits[0].float()
-
-
-def packed_forward(
-    model,
-    cache: KVCache,
-    slots: list[int],
-    starts: list[int],
-    token_lists: list[list[int]],
-    keep: list[int],
-) -> torch.Tensor:
-    """`forward_step` from host lists: row b writes `token_lists[b]` at positions
-    `starts[b]..` of slot `slots[b]`; one upload for everything."""
-    buf = HostBuffer()
-    plan = LayoutPlan.build(slots, starts, [len(t) for t in token_lists])
-    plan.add_to(buf, "layout")
-    buf.ints("input_ids", [t for tokens in token_lists for t in tokens])
-    buf.ints("keep", keep)
-    arrays = buf.upload(cache.keys[0].device)
-    return forward_step(model, cache, plan.resolve(arrays, "layout"), arrays["input_ids"], arrays["keep"])
 
 
 def last_token_index(token_lists: list[list[int]]) -> list[int]:

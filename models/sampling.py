@@ -115,13 +115,6 @@ class SamplingTensors:
             has_penalties=any(uses_penalties(p) for p in params),
         )
 
-    @classmethod
-    def from_params(cls, params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> SamplingTensors:
-        """Plan, upload and resolve in one go (for callers outside a runner step)."""
-        buf = HostBuffer()
-        cls.plan(params, vocab_size, buf, "s")
-        return cls.resolve(params, vocab_size, buf.upload(torch.device(device)), "s")
-
     def take(self, index: Tensor, params: list[SamplingParams]) -> SamplingTensors:
         """The rows at `index` (a device tensor; `params` are those rows' params)."""
         sampled = [p for p in params if not p.is_greedy]
@@ -191,13 +184,6 @@ def resolve_penalty_counts(num_rows: int, vocab_size: int, arrays: DeviceArrays,
     output_counts = resolve_token_counts(num_rows, vocab_size, arrays, f"{prefix}.out")
     prompt_mask = resolve_token_counts(num_rows, vocab_size, arrays, f"{prefix}.prompt") > 0
     return output_counts, prompt_mask
-
-
-def build_token_counts(histories: list[list[int]], vocab_size: int, device: torch.device | str) -> Tensor:
-    """Per-row token counts `[R, V]` int32 from token lists (plan, upload, resolve)."""
-    buf = HostBuffer()
-    plan_token_counts(histories, buf, "c")
-    return resolve_token_counts(len(histories), vocab_size, buf.upload(torch.device(device)), "c")
 
 
 def process_logits(

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from models.forward import packed_forward
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache
+from tests.support.tensors import packed_forward
 
 TOL = 1e-4
 

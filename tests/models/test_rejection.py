@@ -20,12 +20,12 @@ from models.sampling import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
     STREAM_SAMPLE,
-    SamplingTensors,
     process_logits,
     sample_from_probs,
     uniform_noise,
 )
 from scheduler.types import SamplingParams
+from tests.support.tensors import sampling_tensors
 
 P_VALUE_FLOOR = 1e-3
 NUM_SAMPLES = 20_000
@@ -125,7 +125,7 @@ def chisquare_pvalue(ids: torch.Tensor, probs: torch.Tensor) -> float:
 
 def processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[n, V] logits -> [n, V] probs through the engine's own processing."""
-    st = SamplingTensors.from_params([params], logits.shape[-1], "cpu")
+    st = sampling_tensors([params], logits.shape[-1], "cpu")
     return process_logits(logits[None], st, None, None)[0]
 
 
@@ -212,7 +212,7 @@ def test_multi_step_generation_matches_a_bigram_target():
     g = torch.Generator().manual_seed(7)
     target_logits = torch.randn(vocab_size, 1, vocab_size, generator=g) * 1.5  # [context, 1, V]
     draft_logits = target_logits + torch.randn(vocab_size, 1, vocab_size, generator=g) * 1.5
-    st = SamplingTensors.from_params([SamplingParams(temperature=0.9, seed=0)] * vocab_size, vocab_size, "cpu")
+    st = sampling_tensors([SamplingParams(temperature=0.9, seed=0)] * vocab_size, vocab_size, "cpu")
     p_table = process_logits(target_logits, st, None, None)[:, 0]  # [context, V]
     q_table = process_logits(draft_logits, st, None, None)[:, 0]
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from models.builder import ProposerConfig, build_runner
-from models.forward import packed_forward
 from models.kv_cache import KVCache
 from models.loader import ModelConfig, load_model
 from models.runner import ModelRunner, RunnerConfig
@@ -19,6 +18,7 @@ from scheduler.offline import run_offline
 from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
+from tests.support.tensors import packed_forward
 
 PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G", "for i in range(10):\n"]
 

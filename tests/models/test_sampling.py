@@ -13,20 +13,20 @@ from models.sampling import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
     SamplingTensors,
-    build_token_counts,
     compute_logprobs,
     process_logits,
     sample_from_probs,
     uniform_noise,
 )
 from scheduler.types import SamplingParams
+from tests.support.tensors import sampling_tensors, token_counts
 
 V = 50
 P_VALUE_FLOOR = 1e-3  # a statistical check fails only below this p-value (fixed seeds: deterministic)
 
 
 def make_st(params: list[SamplingParams], vocab_size: int = V) -> SamplingTensors:
-    return SamplingTensors.from_params(params, vocab_size, "cpu")
+    return sampling_tensors(params, vocab_size, "cpu")
 
 
 def random_logits(num_rows: int, n: int = 1, vocab_size: int = V, seed: int = 0) -> torch.Tensor:
@@ -87,7 +87,7 @@ def ref_probs(x: np.ndarray, p: SamplingParams) -> np.ndarray:
 # -- SamplingTensors / counts ---------------------------------------------------------
 
 
-def test_from_params_packs_rows_and_flags():
+def test_plan_and_resolve_pack_rows_and_flags():
     params = [
         SamplingParams(temperature=0.0, top_k=5, seed=1),
         SamplingParams(temperature=0.8, top_k=-1, top_p=0.9, logit_bias={3: 2.0, 999: 1.0}, seed=2),
@@ -108,10 +108,10 @@ def test_from_params_packs_rows_and_flags():
     assert not (plain.has_top_k or plain.has_top_p or plain.has_min_p or plain.has_penalties or plain.has_logit_bias)
 
 
-def test_build_token_counts():
-    counts = build_token_counts([[1, 1, 4], [], [0, 4, 4, 4]], 6, "cpu")
+def test_token_counts_count_each_row():
+    counts = token_counts([[1, 1, 4], [], [0, 4, 4, 4]], 6, "cpu")
     assert counts.tolist() == [[0, 2, 0, 0, 1, 0], [0] * 6, [1, 0, 0, 0, 3, 0]]
-    assert build_token_counts([[], []], 3, "cpu").tolist() == [[0] * 3] * 2
+    assert token_counts([[], []], 3, "cpu").tolist() == [[0] * 3] * 2
 
 
 # -- process_logits --------------------------------------------------------------------
@@ -179,8 +179,8 @@ def test_penalties_with_drafts_match_sequential_decoding():
     probs = process_logits(
         logits,
         st_,
-        build_token_counts(outputs, V, "cpu"),
-        build_token_counts(prompts, V, "cpu") > 0,
+        token_counts(outputs, V, "cpu"),
+        token_counts(prompts, V, "cpu") > 0,
         draft_ids=torch.tensor(drafts),
     )
     for r, p in enumerate(params):
@@ -242,7 +242,7 @@ def test_probs_are_distributions_whatever_the_params(temperature, top_k, top_p, 
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=0
     )
     logits = random_logits(1, n=2, vocab_size=12, seed=seed)
-    counts = build_token_counts([[1, 2, 2]], 12, "cpu")
+    counts = token_counts([[1, 2, 2]], 12, "cpu")
     probs = process_logits(logits, make_st([p], 12), counts, counts > 0, torch.tensor([[3]]))
     assert not probs.isnan().any()
     torch.testing.assert_close(probs.sum(-1), torch.ones(1, 2))

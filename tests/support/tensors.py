@@ -1,0 +1,40 @@
+"""Host-list conveniences over the models package's plan -> upload -> resolve
+steps, for tests that call one piece of a step on its own."""
+
+from __future__ import annotations
+
+import torch
+
+from models.forward import forward_step
+from models.kv_cache import KVCache, LayoutPlan
+from models.sampling import SamplingTensors, plan_token_counts, resolve_token_counts
+from models.transfer import HostBuffer
+from scheduler.types import SamplingParams
+
+
+def sampling_tensors(params: list[SamplingParams], vocab_size: int, device: str = "cpu") -> SamplingTensors:
+    """Plan, upload and resolve a batch's sampling tensors in one go."""
+    buf = HostBuffer()
+    SamplingTensors.plan(params, vocab_size, buf, "s")
+    return SamplingTensors.resolve(params, vocab_size, buf.upload(torch.device(device)), "s")
+
+
+def token_counts(histories: list[list[int]], vocab_size: int, device: str = "cpu") -> torch.Tensor:
+    """Per-row token counts `[R, V]` int32 from token lists."""
+    buf = HostBuffer()
+    plan_token_counts(histories, buf, "c")
+    return resolve_token_counts(len(histories), vocab_size, buf.upload(torch.device(device)), "c")
+
+
+def packed_forward(
+    model, cache: KVCache, slots: list[int], starts: list[int], token_lists: list[list[int]], keep: list[int]
+) -> torch.Tensor:
+    """`forward_step` from host lists: row b writes `token_lists[b]` at positions
+    `starts[b]..` of slot `slots[b]`; one upload for everything."""
+    buf = HostBuffer()
+    plan = LayoutPlan.build(slots, starts, [len(t) for t in token_lists])
+    plan.add_to(buf, "layout")
+    buf.ints("input_ids", [t for tokens in token_lists for t in tokens])
+    buf.ints("keep", keep)
+    arrays = buf.upload(cache.keys[0].device)
+    return forward_step(model, cache, plan.resolve(arrays, "layout"), arrays["input_ids"], arrays["keep"])
