@@ -134,35 +134,37 @@ class ModelRunner:
             return StepOutput(rows=[])
         for row in rows:
             self._maybe_inject_fault(row, "raise")
-        phases: dict[str, float] = {}
-        t0 = time.perf_counter()
-        plan = self._prepare(rows)
-        arrays = plan.buf.upload(self.device)
-        device_draft = None
-        if plan.draft is not None:
-            assert isinstance(self.proposer, DraftModelProposer)
-            try:
-                device_draft = self.proposer.run(plan.draft, arrays)
-            except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
-                logger.exception("draft model failed; these rows decode plainly this step")
-                plan = self._prepare(rows, device_drafting=False)
-                arrays = plan.buf.upload(self.device)
-        if plan.any_draft:
-            phases["draft"] = time.perf_counter() - t0
-
-        t1 = time.perf_counter()
+        clock = _PhaseClock()
+        plan, arrays, device_draft = self._prepare_and_draft(rows)
+        clock.lap("draft" if plan.any_draft else None)
         logits = self._forward(plan, arrays, device_draft)
         outputs = self._sample(plan, arrays, logits, device_draft) if plan.sample_rows else {}
-        forward_phase = (
-            "prefill" if any(r.request.is_prefilling for r in rows) else "verify" if plan.any_draft else "decode"
-        )
-        phases[forward_phase] = time.perf_counter() - t1
+        clock.lap(_forward_phase(plan))
+        return self._step_output(plan, outputs, clock.phases)
+
+    def _prepare_and_draft(self, rows: list[ScheduledRow]) -> tuple[StepPlan, DeviceArrays, DeviceDraft | None]:
+        """Host drafts and the one upload, then the draft model's device drafts (if any).
+        A failing draft model costs this step its drafts, never a request."""
+        plan = self._prepare(rows)
+        arrays = plan.buf.upload(self.device)
+        if plan.draft is None:
+            return plan, arrays, None
+        assert isinstance(self.proposer, DraftModelProposer)
+        try:
+            return plan, arrays, self.proposer.run(plan.draft, arrays)
+        except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
+            logger.exception("draft model failed; these rows decode plainly this step")
+            plan = self._prepare(rows, device_drafting=False)
+            return plan, plan.buf.upload(self.device), None
+
+    @staticmethod
+    def _step_output(plan: StepPlan, outputs: dict[str, RowOutput], phases: dict[str, float]) -> StepOutput:
         accepted_per_position = [0] * max(plan.num_draft)
         for out in outputs.values():
             for j in range(out.num_accepted_tokens):
                 accepted_per_position[j] += 1
         return StepOutput(
-            rows=[outputs.get(row.request_id) or RowOutput(row.request_id) for row in rows],
+            rows=[outputs.get(row.request_id) or RowOutput(row.request_id) for row in plan.rows],
             phase_seconds=phases,
             accepted_per_position=accepted_per_position,
         )
@@ -429,3 +431,23 @@ class ModelRunner:
         if kind == "raise":
             raise RowFault(row.request_id, "injected fault")
         return True
+
+
+class _PhaseClock:
+    """Seconds per step phase, for `specd_step_seconds{phase}`: each lap closes one."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str | None) -> None:
+        now = time.perf_counter()
+        if phase is not None:
+            self.phases[phase] = now - self._last
+        self._last = now
+
+
+def _forward_phase(plan: StepPlan) -> str:
+    if any(row.request.is_prefilling for row in plan.rows):
+        return "prefill"
+    return "verify" if plan.any_draft else "decode"
