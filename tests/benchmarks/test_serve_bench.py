@@ -139,3 +139,11 @@ def test_only_loopback_targets(capsys):
         serve_bench.parse_args(["--base-url", "http://10.0.0.5:8000"])
     assert "loopback" in capsys.readouterr().err
     assert serve_bench.parse_args(["--base-url", "http://localhost:8000"]).base_url
+
+
+def test_repeats_rotate_the_modes_order():
+    modes = ["off", "on", "auto"]
+    assert serve_bench.rotated_modes(modes, 1) == modes
+    order = serve_bench.rotated_modes(modes, 3)
+    assert order == ["off", "on", "auto", "on", "auto", "off", "auto", "off", "on"]
+    assert all(sorted(order[i * 3 : i * 3 + 3]) == sorted(modes) for i in range(3))  # each repeat runs each mode once
