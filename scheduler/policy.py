@@ -48,6 +48,7 @@ from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.types import MAX_SPEC_TOKENS, Request
 
 MODEL_FREE_PROPOSERS = ("ngram", "prediction")
+NO_PREFILL = StepShape(0)  # a step of decode rows only
 # A verify step is compared with a plain step of the same rows, whose cost the
 # model only knows if it saw such steps: while it speculates every step it does
 # not. So when plain steps of this size are unseen lately (decayed count below
@@ -190,18 +191,18 @@ class SpecPolicy:
         caps: list[int],
         budget: int,
         num_running: int | None = None,
-        base: StepShape | None = None,
+        prefill: StepShape = NO_PREFILL,
     ) -> tuple[list[int], StepPlan]:
         """Draft tokens per decoding request for this step (same order), and what the step should yield.
 
         `caps[i]` bounds request i's draft by its length limits; all drafts
         together use at most `budget` tokens. `num_running` (default: the
-        decoding requests) is what the operator's cap compares. `base` is the
-        step without drafts (its tokens and context), for the cost model.
+        decoding requests) is what the operator's cap compares. `prefill` is
+        the rest of the step (prefill chunks: their tokens and context), for
+        the cost model; the decode rows' own shape comes from `requests`.
         """
         ks = [0] * len(requests)
         num_rows = len(requests)
-        base = base or StepShape(num_rows)
         if not requests:
             return ks, StepPlan(0.0, None)
         k_maxes = [min(self.k_max(r), cap) for r, cap in zip(requests, caps)]
@@ -229,14 +230,14 @@ class SpecPolicy:
         if budget < 0:
             ks = _shrink(ks, -budget)
             budget = 0
-        plan, budget = self._choose(requests, candidates, ks, budget, base)
+        plan, budget = self._choose(requests, candidates, ks, budget, prefill)
         for i in auto_rows:
             if self._probe_due(requests[i], ks[i]) and budget > 0:
                 ks[i] = 1
                 budget -= 1
         return ks, plan
 
-    def _choose(self, requests, candidates, ks, budget, base: StepShape) -> tuple[StepPlan, int]:
+    def _choose(self, requests, candidates, ks, budget, prefill: StepShape) -> tuple[StepPlan, int]:
         """Greedy by decreasing gain while a token raises the decode rows' tokens per second.
 
         The ratio is taken over the decode rows' own time: a prefill chunk in the
@@ -246,7 +247,8 @@ class SpecPolicy:
         """
         forced = sum(ks)
         expected = float(len(requests))  # forced drafts count as gain-free here
-        tokens = base.num_tokens + forced
+        plain_tokens = len(requests) + prefill.num_tokens  # the step without drafts
+        tokens = plain_tokens + forced
         already_spec = forced > 0
         draft_positions = max((k for k, r in zip(ks, requests) if self.method_of(r) == "draft_model"), default=0)
         cost = self.cost
@@ -254,9 +256,8 @@ class SpecPolicy:
             decode_context = sum(r.num_computed_tokens + 1 for r in requests) + forced
             decode = StepShape(len(requests) + forced, decode_context, already_spec, draft_positions)
             seconds = cost.predict(decode)
-            prefill_seconds = max(
-                cost.predict(replace(decode, num_tokens=tokens, num_context=base.num_context + forced)) - seconds, 0.0
-            )
+            whole = replace(decode, num_tokens=tokens, num_context=decode_context + prefill.num_context)
+            prefill_seconds = max(cost.predict(whole) - seconds, 0.0)
             spec_cost, draft_cost = cost.spec_cost, cost.draft_forward_cost
         else:  # nothing measured yet: a memory-bound guess (a token costs 2% of a step)
             seconds, prefill_seconds, spec_cost, draft_cost = 1.0, 0.0, 0.0, 0.0
@@ -281,7 +282,7 @@ class SpecPolicy:
         if any(chosen) and not already_spec:
             seconds += spec_cost  # the first draft makes this a verify step
             edge = (expected / seconds) / (plain_expected / plain_seconds)
-            explore = cost.is_fitted and edge < EXPLORE_MARGIN and cost.plain_support(base.num_tokens) < EXPLORE_BELOW
+            explore = cost.is_fitted and edge < EXPLORE_MARGIN and cost.plain_support(plain_tokens) < EXPLORE_BELOW
             error = cost.calibration.relative_error if cost.calibration.num_steps else 0.0
             margin = min(max(error, MIN_EDGE), MAX_EDGE)
             if edge <= 1.0 + margin or explore:

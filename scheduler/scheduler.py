@@ -178,12 +178,11 @@ class Scheduler:
             budget -= len(prefills[-1].token_ids)
 
         caps = [self._draft_cap(r) for r in decoding]
-        base = StepShape(
-            num_tokens=len(decoding) + sum(len(p.token_ids) for p in prefills),
-            num_context=sum(r.num_computed_tokens + 1 for r in decoding)
-            + sum(p.start_pos + len(p.token_ids) for p in prefills),
+        prefill = StepShape(
+            num_tokens=sum(len(p.token_ids) for p in prefills),
+            num_context=sum(p.start_pos + len(p.token_ids) for p in prefills),
         )
-        ks, self.last_plan = self.policy.decide(decoding, caps, budget, len(self.running), base)
+        ks, self.last_plan = self.policy.decide(decoding, caps, budget, len(self.running), prefill)
         for request, k in zip(decoding, ks):
             rows.append(
                 ScheduledRow(

@@ -265,10 +265,10 @@ def test_a_plain_step_it_has_not_seen_lately_is_measured_once_before_speculating
     batch = [req(f"r{i}") for i in range(16)]
     for r in batch:
         policy.observe(r, 4, 1)  # worth a draft or two, nowhere near twice the plain step
-    ks, plan = policy.decide(batch, [16] * 16, 256, base=StepShape(16))
+    ks, plan = policy.decide(batch, [16] * 16, 256)
     assert sum(ks) == 0 and plan.edge == 1.0 and policy.num_explored == 1
     cost.observe(StepShape(16), linear(0.05, 0.002)(StepShape(16)))
-    ks, plan = policy.decide(batch, [16] * 16, 256, base=StepShape(16))
+    ks, plan = policy.decide(batch, [16] * 16, 256)
     assert sum(ks) > 0 and plan.edge > 1.0 and policy.num_explored == 1
 
 
@@ -283,8 +283,8 @@ def test_a_prefill_chunk_in_the_step_does_not_make_drafts_look_cheap():
     for r in batch:
         policy.observe(r, 4, 1)
         policy.observe(r, 4, 0)  # worth a draft or two at most
-    alone, _ = policy.decide(batch, [8] * 8, 1024, base=StepShape(8, 8))
-    beside, plan = policy.decide(batch, [8] * 8, 1024, base=StepShape(8 + 512, 8 + 512))
+    alone, _ = policy.decide(batch, [8] * 8, 1024)
+    beside, plan = policy.decide(batch, [8] * 8, 1024, prefill=StepShape(512, 512))
     assert alone == beside == [0] * 8  # counting the prefill in, every row would draft 8
     assert plan.predicted_seconds == pytest.approx(fn(StepShape(520, 520)), rel=0.05)  # the whole step
 
