@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
@@ -201,12 +201,7 @@ class ResponseHead:
 
     def fields(self) -> dict[str, Any]:
         """The head as keyword arguments of a response model."""
-        return {
-            "id": self.id,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.system_fingerprint,
-        }
+        return asdict(self)
 
 
 class CompletionTokensDetails(OpenAIResponse):
