@@ -124,10 +124,9 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
-    located = (first.get("ctx") or {}).get("error")
-    param = getattr(located, "param", None)
-    if param is not None or hasattr(located, "param"):  # a whole-body check that names the field (server.protocol)
-        return str(located), param
+    located: Any = (first.get("ctx") or {}).get("error")
+    if hasattr(located, "param"):  # a whole-body check that names the field itself (server.protocol)
+        return str(located), located.param
     if tuple(first.get("loc", ())) in (("body",), ()):  # the body itself (a nested non-object names its field)
         if isinstance(first.get("input"), (bytes, str)):
             return "the request body must be a JSON object sent with 'Content-Type: application/json'", None
