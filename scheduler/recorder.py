@@ -100,10 +100,9 @@ class StepRecorder:
                 counts.num_drafts += 1
                 counts.num_draft_tokens += row_out.num_draft_tokens
                 counts.num_accepted_tokens += row_out.num_accepted_tokens
-        for counts in spec.values():
-            self.totals.num_drafts += counts.num_drafts
-            self.totals.num_draft_tokens += counts.num_draft_tokens
-            self.totals.num_accepted_tokens += counts.num_accepted_tokens
+                self.totals.num_drafts += 1
+                self.totals.num_draft_tokens += row_out.num_draft_tokens
+                self.totals.num_accepted_tokens += row_out.num_accepted_tokens
         self.last_step_speculated = bool(spec)
 
         stats = self._take()
