@@ -12,6 +12,7 @@ Every ratio is against a baseline measured in the same run on the same machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import platform
@@ -77,32 +78,17 @@ def spec_section(
         for i, prompt in enumerate(prompts):
             ids = [chat_ids(target, prompt)]
             tag = f"{kind}#{i}"
-            off = engine_run(target, ids, max_tokens, speculation=False, name="off")
+            run = functools.partial(engine_run, target, ids, max_tokens)
+            draft = functools.partial(run, "draft_model", str(draft_dir))
+            off = run(speculation=False, name="off")
             results = [
                 off,
-                engine_run(target, ids, max_tokens, "ngram", speculation="auto", name="ngram auto K<=4"),
-                engine_run(target, ids, max_tokens, "ngram", speculation="auto", k=10, name="ngram auto K<=10"),
-                engine_run(target, ids, max_tokens, "ngram", speculation=True, k=4, name="ngram K=4"),
-                engine_run(target, ids, max_tokens, "ngram", speculation=True, k=10, name="ngram K=10"),
-                engine_run(
-                    target,
-                    ids,
-                    max_tokens,
-                    "draft_model",
-                    str(draft_dir),
-                    speculation=True,
-                    k=4,
-                    name=f"draft {draft_layers}L K=4",
-                ),
-                engine_run(
-                    target,
-                    ids,
-                    max_tokens,
-                    "draft_model",
-                    str(draft_dir),
-                    speculation="auto",
-                    name=f"draft {draft_layers}L auto",
-                ),
+                run("ngram", speculation="auto", name="ngram auto K<=4"),
+                run("ngram", speculation="auto", k=10, name="ngram auto K<=10"),
+                run("ngram", speculation=True, k=4, name="ngram K=4"),
+                run("ngram", speculation=True, k=10, name="ngram K=10"),
+                draft(speculation=True, k=4, name=f"draft {draft_layers}L K=4"),
+                draft(speculation="auto", name=f"draft {draft_layers}L auto"),
             ]
             hf_plain = hf_run(reference, ids, max_tokens, "HF generate")
             for n in (3, 5, 10):
