@@ -128,6 +128,9 @@ class Request:
     params: SamplingParams
     # Predicted Outputs: the client's expected completion, used as the draft.
     prediction_ids: list[int] | None = None
+    # Isolation key: requests share cached prefixes and cross-request drafts only
+    # with requests of the same tenant (the server's `cache_salt`, else `user`).
+    tenant: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
 
     # -- scheduler state --

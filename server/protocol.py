@@ -96,6 +96,8 @@ class SamplingFields(OpenAIRequest):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # -- extensions (`extra_body` in the OpenAI SDKs) --
+    # The tenant whose caches this request may share (vLLM's field); see `tenant`.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -105,6 +107,12 @@ class SamplingFields(OpenAIRequest):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+
+    @property
+    def tenant(self) -> str:
+        """Requests share caches (prefix KV, cross-request drafts) only within one tenant:
+        `cache_salt` when given, else `user`, else the deployment's common tenant ""."""
+        return self.cache_salt or self.user or ""
 
     @model_validator(mode="before")
     @classmethod

@@ -128,12 +128,13 @@ def submit_all(
     prompts: list[list[int]],
     params: list[SamplingParams],
     prediction_ids: list[int] | None = None,
+    tenant: str = "",
 ) -> list[RequestStream]:
     """Queue one engine request per choice; all or none (a refusal aborts the ones queued)."""
     streams: list[RequestStream] = []
     try:
         for i, (prompt_ids, p) in enumerate(zip(prompts, params)):
-            request = Request(f"{request_id}-{i}", prompt_ids, p, prediction_ids=prediction_ids)
+            request = Request(f"{request_id}-{i}", prompt_ids, p, prediction_ids=prediction_ids, tenant=tenant)
             streams.append(ctx.engine.submit(request))
     except Exception:
         for stream in streams:

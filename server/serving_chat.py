@@ -133,7 +133,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     head = ResponseHead.new("chatcmpl", req.model, ctx.system_fingerprint)
     record.request_id, record.stream, record.n, record.prompt_tokens = head.id, req.stream, req.n, len(prompt_ids)
     try:
-        streams = submit_all(ctx, head.id, [prompt_ids] * req.n, params, prediction_ids)
+        streams = submit_all(ctx, head.id, [prompt_ids] * req.n, params, prediction_ids, req.tenant)
     except InvalidRequestError as exc:
         if exc.param == "prompt":  # the engine sees a prompt; a chat request's prompt is its messages
             exc.param = "messages"

@@ -113,7 +113,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: HT
         len(prompts),
         num_prompt_tokens,
     )
-    streams = submit_all(ctx, head.id, prompts, params)
+    streams = submit_all(ctx, head.id, prompts, params, tenant=req.tenant)
     choices = [Choice(i, stream, ctx.tokenizer, req, ids) for i, (stream, ids) in enumerate(zip(streams, prompts))]
     gen = CompletionGeneration(head, req, choices, record, num_prompt_tokens, echoes)
     if req.stream:

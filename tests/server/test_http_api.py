@@ -148,6 +148,7 @@ def test_chat_fields(client, model):
             "speculation": "auto",
             "num_speculative_tokens": 2,
             "ignore_eos": True,
+            "cache_salt": "tenant-a",
             "unknown_field": "ignored",
         },
     )

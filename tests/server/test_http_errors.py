@@ -77,6 +77,7 @@ def test_invalid_chat_values_are_400_with_param(tiny_server, model, field, value
         ),
         ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
         ({"messages": MESSAGES, "model": None}, "model"),
+        ({"messages": MESSAGES, "cache_salt": ""}, "cache_salt"),
     ],
 )
 def test_schema_errors_are_400_not_422(tiny_server, model, body, param):
