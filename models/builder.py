@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
+import torch
+
 from models.draft_model import DraftModelProposer
+from models.kv_cache import KVCache
 from models.loader import LoadedModel, ModelConfig, check_draft_compatible, load_model
 from models.proposers import NgramProposer, Proposer
 from models.runner import ModelRunner, RunnerConfig
+from scheduler.kv_blocks import blocks_for
 
 logger = logging.getLogger("specd.models")
 
@@ -46,16 +51,53 @@ def build_runner(
         logger.info("max_model_len capped to the model's %d positions", max_len)
         runner.max_model_len = max_len
     draft: Proposer | DraftModelProposer | None = None
-    if proposer.method == "ngram":
-        draft = NgramProposer(proposer.ngram_min, proposer.ngram_max)
-    elif proposer.method == "draft_model":
+    loaded_draft: LoadedModel | None = None
+    if proposer.method == "draft_model":
         draft_cfg = ModelConfig(
             model=str(proposer.draft_model),
             dtype=str(target.dtype).removeprefix("torch."),
             device=target.device.type,
             cache_dir=model.cache_dir if isinstance(model, ModelConfig) else None,
         )
-        loaded = load_model(draft_cfg)
-        check_draft_compatible(target, loaded)
-        draft = DraftModelProposer(loaded, runner.max_num_seqs, runner.max_model_len, target.vocab_size)
+        loaded_draft = load_model(draft_cfg)
+        check_draft_compatible(target, loaded_draft)
+    runner.num_kv_blocks = num_kv_blocks(runner, target, loaded_draft)
+    if proposer.method == "ngram":
+        draft = NgramProposer(proposer.ngram_min, proposer.ngram_max)
+    elif loaded_draft is not None:
+        draft = DraftModelProposer(loaded_draft, runner.num_kv_blocks, runner.block_size, target.vocab_size)
     return ModelRunner(target, runner, draft)
+
+
+def num_kv_blocks(config: RunnerConfig, target: LoadedModel, draft: LoadedModel | None = None) -> int:
+    """The KV pool's size in blocks, from `config` (see `RunnerConfig`). A draft
+    model keeps its own KV in the same block layout, so a block costs both."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory is None:
+        return blocks_for(config.max_num_seqs * config.max_model_len, config.block_size)
+    per_block = sum(
+        KVCache.bytes_per_block(m.model.config, config.block_size, m.dtype) for m in (target, draft) if m is not None
+    )
+    budget = config.kv_cache_memory
+    if budget <= 1:
+        budget *= free_memory(target.device)
+    blocks = int(budget // per_block)
+    if blocks < 1:
+        raise ValueError(f"--kv-cache-memory {config.kv_cache_memory:g} holds no KV block ({per_block} bytes each)")
+    return blocks
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes the device can still give: CUDA's free memory, else the host's available RAM
+    (MemAvailable: free plus what the page cache would give back)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

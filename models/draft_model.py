@@ -62,11 +62,14 @@ class DeviceDraft:
 class DraftModelProposer:
     method = "draft_model"
 
-    def __init__(self, draft: LoadedModel, num_slots: int, max_len: int, vocab_size: int):
+    def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int, vocab_size: int):
         self.draft = draft
         self.vocab_size = vocab_size  # the target's: q must live in p's vocabulary
         draft.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.cache = KVCache.for_model(draft.model.config, num_slots, max_len, draft.dtype, draft.device)
+        # The same block ids as the target's pool: a request's block table serves both.
+        # (A block shared through the prefix cache is rewritten by each request's
+        # catch-up feed with the same tokens; only draft quality could differ.)
+        self.cache = KVCache.for_model(draft.model.config, num_blocks, block_size, draft.dtype, draft.device)
         # Positions of each request whose draft KV holds accepted tokens.
         self._computed: dict[str, int] = {}
 
@@ -82,16 +85,17 @@ class DraftModelProposer:
         assert requests and all(k > 0 for k in num_tokens)
         # Catch-up feed: every accepted token the draft has not seen yet.
         starts = [min(self._computed.get(r.request_id, 0), r.num_computed_tokens) for r in requests]
-        feeds = [r.all_token_ids[s:] for r, s in zip(requests, starts)]
-        slots = [_slot(r) for r in requests]
+        feeds = [r.token_slice(s, r.num_tokens) for r, s in zip(requests, starts)]
+        tables = [r.block_ids for r in requests]
+        size = self.cache.block_size
         active, layouts = [], []
         for j in range(max(num_tokens)):
             rows = [i for i, k in enumerate(num_tokens) if k > j]
             if j == 0:
-                layout = LayoutPlan.build(slots, starts, [len(f) for f in feeds])
+                layout = LayoutPlan.build(tables, starts, [len(f) for f in feeds], size)
             else:
                 positions = [starts[i] + len(feeds[i]) + j - 1 for i in rows]
-                layout = LayoutPlan.build([slots[i] for i in rows], positions, [1] * len(rows))
+                layout = LayoutPlan.build([tables[i] for i in rows], positions, [1] * len(rows), size)
             layout.add_to(buf, f"{prefix}.{j}")
             buf.ints(f"{prefix}.{j}.active", rows)
             active.append(rows)
@@ -153,11 +157,6 @@ class DraftModelProposer:
         for request, fed in zip(plan.requests, plan.fed_after):
             self._computed[request.request_id] = fed
         return DeviceDraft(drafted, q)
-
-
-def _slot(request: Request) -> int:
-    assert request.slot is not None, "a drafting request holds a KV slot"
-    return request.slot
 
 
 def _to_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:

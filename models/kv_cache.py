@@ -1,17 +1,19 @@
-"""Preallocated per-slot KV cache and the ragged attention that reads it.
+"""Paged KV cache and the ragged attention that reads it.
 
-Layout: per layer, K and V of shape [num_slots, num_kv_heads, max_len, head_dim].
-A running sequence owns one slot. The cache keeps no lengths of its own: each
-step the runner says where every token goes (`StepLayout`), taken from the
-scheduler's `num_computed_tokens`. Rolling back rejected drafts is therefore
-O(1): the scheduler moves the length back and the next step overwrites.
+Layout: per layer, K and V pools of shape [num_kv_heads, num_blocks * block_size,
+head_dim]: a pool of fixed-size blocks, position p of a sequence at row
+`block_ids[p // block_size] * block_size + p % block_size`. The scheduler owns
+the block tables (`scheduler.kv_blocks`); the cache keeps no lengths of its own:
+each step the runner says where every token goes (`StepLayout`), from the
+scheduler's `num_computed_tokens`. Rolling back rejected drafts is O(1): the
+scheduler moves the length back and the next step overwrites those positions.
 
 The model runs one packed forward, `input_ids` of shape [1, T] holding every
 row's tokens back to back. `KVCache.update` (called by each HF attention layer)
-scatters the new keys/values into the slots and returns the rows' cached K/V;
+writes the new keys/values into their blocks and returns the pools;
 `ragged_attention` (registered with transformers' `AttentionInterface` as
-"specd") pads queries per row only inside attention, so the MLPs never compute
-on padding.
+"specd") reads each row's keys through its block table and pads queries per
+row only inside attention, so the MLPs never compute on padding.
 """
 
 from __future__ import annotations
@@ -32,130 +34,140 @@ ATTN_IMPLEMENTATION = "specd"
 # decode neighbours' queries to its length (covers a verify of 1 + 16 drafts).
 # Decode rows and verify rows are grouped separately for the same reason.
 SHORT_ROW_TOKENS = 17
-# Empty slots bridged to keep neighbouring short rows in one call: a hole costs
-# reading its keys, a separate call costs fixed per-layer launches.
-MAX_BRIDGED_KEYS = 4096
 
 
 @dataclass
 class GroupPlan:
-    """Host side of one attention call over consecutive slots lo..lo + num_slots."""
+    """Host side of one attention call over `num_rows` rows, keys read through their block tables."""
 
-    slot_lo: int
-    num_slots: int
+    num_rows: int
     max_q: int
     max_kv: int
-    grid_start: list[int]  # [num_slots] first new position of each grid row (0 for holes)
+    num_blocks: int  # blocks read per row: the longest row's
+    grid_start: list[int]  # [num_rows] first new position of each row
+    block_index: list[int]  # [num_rows * num_blocks] block ids, short rows padded with their own first block
     token_index: list[int] | None  # packed index of the group's tokens; None: all tokens, in order
-    pad_index: list[int] | None  # each token's cell in the [num_slots * max_q] grid; None: no padding
+    pad_index: list[int] | None  # each token's cell in the [num_rows * max_q] grid; None: no padding
+    # One row whose blocks are consecutive: its keys are a view of the pool from this block (no gather).
+    view_block: int | None = None
 
 
 @dataclass
 class LayoutPlan:
     """Where each packed token of one forward lives, before upload. T tokens, B rows."""
 
-    token_slot: list[int]
-    token_pos: list[int]
+    token_dest: list[int]  # [T] row of the pool each token's K/V is written to
+    token_pos: list[int]  # [T] position in its sequence
     groups: list[GroupPlan]
+    block_size: int
 
     @classmethod
-    def build(cls, slots: list[int], starts: list[int], lens: list[int]) -> LayoutPlan:
-        token_slot: list[int] = []
+    def build(cls, block_tables: list[list[int]], starts: list[int], lens: list[int], block_size: int) -> LayoutPlan:
+        token_dest: list[int] = []
         token_pos: list[int] = []
         offsets = []
-        for slot, start, n in zip(slots, starts, lens):
-            offsets.append(len(token_slot))
-            token_slot += [slot] * n
+        for table, start, n in zip(block_tables, starts, lens):
+            offsets.append(len(token_dest))
             token_pos += range(start, start + n)
-        rows = range(len(slots))
+            token_dest += (table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        rows = range(len(block_tables))
         # Decode rows (1 token) and verify rows (a few) are grouped apart: one
-        # verify run in a group would pad every decode row's queries to its length.
-        runs: list[list[int]] = []
-        for kind in (lambda n: n == 1, lambda n: 1 < n <= SHORT_ROW_TOKENS):
-            kind_runs: list[list[int]] = []
-            for b in sorted((b for b in rows if kind(lens[b])), key=lambda b: slots[b]):
-                if kind_runs:
-                    prev = kind_runs[-1][-1]
-                    holes = slots[b] - slots[prev] - 1
-                    max_kv = max(starts[r] + lens[r] for r in kind_runs[-1] + [b])
-                    if holes * max_kv <= MAX_BRIDGED_KEYS:
-                        kind_runs[-1].append(b)
-                        continue
-                kind_runs.append([b])
-            runs += kind_runs
-        runs += [[b] for b in rows if lens[b] > SHORT_ROW_TOKENS]
-        total = len(token_slot)
-        groups = [cls._group(run, slots, starts, lens, offsets, total) for run in runs]
-        return cls(token_slot, token_pos, groups)
+        # verify row in a group would pad every decode row's queries to its length.
+        runs = [
+            [b for b in rows if lens[b] == 1],
+            [b for b in rows if 1 < lens[b] <= SHORT_ROW_TOKENS],
+            *([b] for b in rows if lens[b] > SHORT_ROW_TOKENS),
+        ]
+        total = len(token_dest)
+        groups = [cls._group(run, block_tables, starts, lens, offsets, total, block_size) for run in runs if run]
+        return cls(token_dest, token_pos, groups, block_size)
 
     @staticmethod
-    def _group(run, slots, starts, lens, offsets, total) -> GroupPlan:
-        lo = slots[run[0]]
-        num_slots = slots[run[-1]] - lo + 1
+    def _group(run, block_tables, starts, lens, offsets, total, block_size) -> GroupPlan:
         max_q = max(lens[b] for b in run)
-        grid_start = [0] * num_slots
+        max_kv = max(starts[b] + lens[b] for b in run)
+        num_blocks = -(-max_kv // block_size)
         token_index: list[int] = []
         pad_index: list[int] = []
-        for b in run:
-            cell = slots[b] - lo
-            grid_start[cell] = starts[b]
+        block_index: list[int] = []
+        for cell, b in enumerate(run):
             token_index += range(offsets[b], offsets[b] + lens[b])
             pad_index += range(cell * max_q, cell * max_q + lens[b])
-        in_order = token_index == list(range(total))
+            table = block_tables[b][: -(-(starts[b] + lens[b]) // block_size)]  # the blocks the row uses
+            block_index += table + [table[0]] * (num_blocks - len(table))
+        view_block = None
+        if len(run) == 1 and block_index == list(range(block_index[0], block_index[0] + num_blocks)):
+            view_block = block_index[0]
         return GroupPlan(
-            slot_lo=lo,
-            num_slots=num_slots,
+            num_rows=len(run),
             max_q=max_q,
-            max_kv=max(starts[b] + lens[b] for b in run),
-            grid_start=grid_start,
-            token_index=None if in_order else token_index,
-            pad_index=None if len(pad_index) == num_slots * max_q else pad_index,
+            max_kv=max_kv,
+            num_blocks=num_blocks,
+            grid_start=[starts[b] for b in run],
+            block_index=block_index,
+            token_index=None if token_index == list(range(total)) else token_index,
+            pad_index=None if len(pad_index) == len(run) * max_q else pad_index,
+            view_block=view_block,
         )
 
     def add_to(self, buf: HostBuffer, prefix: str) -> None:
-        buf.ints(f"{prefix}.token_slot", self.token_slot)
+        buf.ints(f"{prefix}.token_dest", self.token_dest)
         buf.ints(f"{prefix}.token_pos", self.token_pos)
         for i, g in enumerate(self.groups):
             buf.ints(f"{prefix}.{i}.grid_start", g.grid_start)
+            if g.view_block is None:
+                buf.ints(f"{prefix}.{i}.block_index", g.block_index)
             if g.token_index is not None:
                 buf.ints(f"{prefix}.{i}.token_index", g.token_index)
             if g.pad_index is not None:
                 buf.ints(f"{prefix}.{i}.pad_index", g.pad_index)
 
     def resolve(self, arrays: DeviceArrays, prefix: str) -> StepLayout:
+        def get(name: str, present: bool) -> torch.Tensor | None:
+            return arrays[name] if present else None
+
         groups = [
             AttentionGroup(
                 plan=g,
+                block_size=self.block_size,
                 grid_start=arrays[f"{prefix}.{i}.grid_start"],
-                token_index=None if g.token_index is None else arrays[f"{prefix}.{i}.token_index"],
-                pad_index=None if g.pad_index is None else arrays[f"{prefix}.{i}.pad_index"],
+                block_index=get(f"{prefix}.{i}.block_index", g.view_block is None),
+                token_index=get(f"{prefix}.{i}.token_index", g.token_index is not None),
+                pad_index=get(f"{prefix}.{i}.pad_index", g.pad_index is not None),
             )
             for i, g in enumerate(self.groups)
         ]
-        return StepLayout(arrays[f"{prefix}.token_slot"], arrays[f"{prefix}.token_pos"], groups)
+        return StepLayout(arrays[f"{prefix}.token_dest"], arrays[f"{prefix}.token_pos"], groups)
 
 
 @dataclass
 class AttentionGroup:
-    """One attention call: queries of rows on slots lo.. padded into a grid,
-    keys read in place from those slots (a view: no copy)."""
+    """One attention call: the rows' queries padded into a grid, their keys read through their block tables."""
 
     plan: GroupPlan
-    grid_start: torch.Tensor  # [num_slots]
+    block_size: int
+    grid_start: torch.Tensor  # [num_rows]
+    block_index: torch.Tensor | None  # [num_rows * num_blocks]; None: a view (`plan.view_block`)
     token_index: torch.Tensor | None
     pad_index: torch.Tensor | None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[num_slots, 1, max_q, max_kv] bool: query i of a row sees keys 0..start + i.
+    @property
+    def num_keys(self) -> int:
+        """Keys per row as read: exactly max_kv from a view, whole blocks from a gather."""
+        plan = self.plan
+        return plan.max_kv if plan.view_block is not None else plan.num_blocks * self.block_size
 
-        Padded queries and empty slots see the same causal range (key 0 at
-        least, so no row is all-masked); their outputs are discarded.
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[num_rows, 1, max_q, num_keys] bool: query i of a row sees keys 0..start + i.
+
+        Padded queries see the same causal range (key 0 at least, so no row is
+        all-masked); their outputs are discarded.
         """
         if sliding_window not in self._masks:
             device = self.grid_start.device
             q_pos = self.grid_start[:, None] + torch.arange(self.plan.max_q, device=device)  # [S, max_q]
-            k_pos = torch.arange(self.plan.max_kv, device=device)
+            k_pos = torch.arange(self.num_keys, device=device)
             visible = k_pos[None, None, :] <= q_pos[:, :, None]
             if sliding_window:
                 visible &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
@@ -163,51 +175,84 @@ class AttentionGroup:
             self._masks[sliding_window] = visible[:, None]
         return self._masks[sliding_window]
 
+    def keys_values(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' keys and values, [KVH, num_rows, num_keys, D]: a view of the pool
+        for one row on consecutive blocks, else gathered block by block."""
+        kv_heads, _, head_dim = k_pool.shape
+        plan = self.plan
+        if self.block_index is None:
+            assert plan.view_block is not None
+            lo = plan.view_block * self.block_size
+            return k_pool[:, None, lo : lo + plan.max_kv], v_pool[:, None, lo : lo + plan.max_kv]
+        shape = (kv_heads, plan.num_rows, plan.num_blocks * self.block_size, head_dim)
+        blocks = (kv_heads, -1, self.block_size * head_dim)
+        key = k_pool.view(blocks).index_select(1, self.block_index).view(shape)
+        value = v_pool.view(blocks).index_select(1, self.block_index).view(shape)
+        return key, value
+
 
 @dataclass
 class StepLayout:
     """A resolved `LayoutPlan`: device tensors the cache and attention read each layer."""
 
-    token_slot: torch.Tensor  # [T]
+    token_dest: torch.Tensor  # [T]
     token_pos: torch.Tensor  # [T]
     groups: list[AttentionGroup]
 
     @classmethod
-    def build(cls, slots: list[int], starts: list[int], lens: list[int], device: torch.device) -> StepLayout:
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        starts: list[int],
+        lens: list[int],
+        block_size: int,
+        device: torch.device,
+    ) -> StepLayout:
         """Plan and upload in one go (for callers outside a runner step)."""
-        plan = LayoutPlan.build(slots, starts, lens)
+        plan = LayoutPlan.build(block_tables, starts, lens, block_size)
         buf = HostBuffer()
         plan.add_to(buf, "layout")
         return plan.resolve(buf.upload(device), "layout")
 
 
 class KVCache:
-    """Static KV storage handed to an HF model as its `cache`."""
+    """Paged KV storage handed to an HF model as its `cache`."""
 
     def __init__(
         self,
         num_layers: int,
-        num_slots: int,
+        num_blocks: int,
+        block_size: int,
         num_kv_heads: int,
         head_dim: int,
-        max_len: int,
         dtype: torch.dtype,
         device: torch.device,
     ):
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        shape = (num_kv_heads, num_blocks * block_size, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_slots = num_slots
-        self.max_len = max_len
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.layout: StepLayout | None = None
 
-    @classmethod
-    def for_model(cls, config, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+    @staticmethod
+    def dims(config) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of an HF model config."""
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        return cls(config.num_hidden_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, device)
+        return config.num_hidden_layers, num_kv_heads, head_dim
+
+    @classmethod
+    def bytes_per_block(cls, config, block_size: int, dtype: torch.dtype) -> int:
+        layers, kv_heads, head_dim = cls.dims(config)
+        return 2 * layers * kv_heads * head_dim * block_size * dtype.itemsize
+
+    @classmethod
+    def for_model(cls, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        layers, kv_heads, head_dim = cls.dims(config)
+        return cls(layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
 
     @property
     def num_bytes(self) -> int:
@@ -215,25 +260,25 @@ class KVCache:
 
     # -- the part of HF's Cache protocol the models call --
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """Write the step's new keys/values into their slots; return the whole
-        storage, which `ragged_attention` reads in place, group by group."""
+        """Write the step's new keys/values into their blocks; return the pools,
+        which `ragged_attention` reads group by group."""
         layout = self.layout
         assert layout is not None, "KVCache.update outside a runner step"
-        k_store, v_store = self.keys[layer_idx], self.values[layer_idx]
-        # key_states: [1, kv_heads, T, head_dim] -> [T, kv_heads, head_dim]
-        k_store[layout.token_slot, :, layout.token_pos] = key_states[0].transpose(0, 1)
-        v_store[layout.token_slot, :, layout.token_pos] = value_states[0].transpose(0, 1)
-        return k_store, v_store
+        k_pool, v_pool = self.keys[layer_idx], self.values[layer_idx]
+        # key_states: [1, kv_heads, T, head_dim]
+        k_pool.index_copy_(1, layout.token_dest, key_states[0].to(k_pool.dtype))
+        v_pool.index_copy_(1, layout.token_dest, value_states[0].to(v_pool.dtype))
+        return k_pool, v_pool
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self.layout is None else max(g.plan.max_kv for g in self.layout.groups)
 
 
 def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention over a packed batch: query [1, H, T, D]; key/value the whole
-    cache storage [slots, KVH, max_len, D] from `KVCache.update`. Each group
-    reads its rows' keys as a slice of that storage. Returns ([1, T, H, D], None)
-    as HF attention functions do."""
+    """Attention over a packed batch: query [1, H, T, D]; key/value the layer's
+    pools [KVH, blocks * block_size, D] from `KVCache.update`. Each group reads
+    its rows' keys through their block tables. Returns ([1, T, H, D], None) as
+    HF attention functions do."""
     layout: StepLayout = kwargs["specd_layout"]
     q = query[0].transpose(0, 1)  # [T, H, D]
     num_tokens, num_heads, head_dim = q.shape
@@ -251,11 +296,11 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.unsqueeze(0), None
 
 
-def _attend_group(group: AttentionGroup, q, k_store, v_store, scaling, sliding_window) -> torch.Tensor:
+def _attend_group(group: AttentionGroup, q, k_pool, v_pool, scaling, sliding_window) -> torch.Tensor:
     """q [n, H, D] (the group's tokens) -> [n, H, D]."""
     plan = group.plan
     num_heads, head_dim = q.shape[1], q.shape[2]
-    s, max_q = plan.num_slots, plan.max_q
+    s, max_q = plan.num_rows, plan.max_q
     if group.pad_index is None:
         grid = q.reshape(s, max_q, num_heads, head_dim)
     else:
@@ -263,19 +308,20 @@ def _attend_group(group: AttentionGroup, q, k_store, v_store, scaling, sliding_w
         grid[group.pad_index] = q
         grid = grid.view(s, max_q, num_heads, head_dim)
     grid = grid.transpose(1, 2)  # [S, H, max_q, D]
-    lo = plan.slot_lo
-    key = k_store[lo : lo + s, :, : plan.max_kv]  # a view: keys are read where they are
-    value = v_store[lo : lo + s, :, : plan.max_kv]
-    gqa = key.shape[1] != num_heads
-    if s == 1 and plan.grid_start == [0] and not sliding_window:
-        # A whole prompt on its own: plain causal attention, flash-eligible on CUDA.
-        out = F.scaled_dot_product_attention(grid, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-    elif _prefers_grouped(q, s, max_q, plan.max_kv):
+    key, value = group.keys_values(k_pool, v_pool)  # [KVH, S, num_keys, D]
+    if _prefers_grouped(q, s, max_q, group.num_keys):
         out = _grouped_attention(grid, key, value, group.mask(sliding_window), scaling)
     else:
-        out = F.scaled_dot_product_attention(
-            grid, key, value, attn_mask=group.mask(sliding_window), scale=scaling, enable_gqa=gqa
-        )  # [S, H, max_q, D]
+        key, value = key.transpose(0, 1), value.transpose(0, 1)  # [S, KVH, num_keys, D]
+        gqa = key.shape[1] != num_heads
+        if s == 1 and plan.grid_start == [0] and not sliding_window:
+            # A whole prompt on its own: plain causal attention (top-left aligned, so keys
+            # past the prompt in its last block are never seen), flash-eligible on CUDA.
+            out = F.scaled_dot_product_attention(grid, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(
+                grid, key, value, attn_mask=group.mask(sliding_window), scale=scaling, enable_gqa=gqa
+            )  # [S, H, max_q, D]
     out = out.transpose(1, 2).reshape(s * max_q, num_heads, head_dim)
     return out if group.pad_index is None else out[group.pad_index]
 
@@ -291,17 +337,19 @@ def _prefers_grouped(query, num_rows: int, max_q: int, max_kv: int) -> bool:
 
 
 def _grouped_attention(q, key, value, mask, scaling):
-    """Plain attention with GQA folded into the query axis, softmax in float32."""
-    b, num_heads, max_q, head_dim = q.shape
-    kv_heads = key.shape[1]
+    """Plain attention with GQA folded into the query axis, softmax in float32.
+    q [S, H, max_q, D]; key/value [KVH, S, L, D] as read from the pool."""
+    num_rows, num_heads, max_q, head_dim = q.shape
+    kv_heads = key.shape[0]
     groups = num_heads // kv_heads
-    q = q.reshape(b, kv_heads, groups * max_q, head_dim)
-    scores = torch.matmul(q, key.transpose(-1, -2)).float()  # [B, KVH, groups * max_q, max_kv]
+    q = q.reshape(num_rows, kv_heads, groups * max_q, head_dim).transpose(0, 1)  # [KVH, S, groups * max_q, D]
+    scores = torch.matmul(q, key.transpose(-1, -2)).float()  # [KVH, S, groups * max_q, L]
     scores *= scaling if scaling is not None else head_dim**-0.5
-    grouped = scores.view(b, kv_heads, groups, max_q, -1)
-    grouped.masked_fill_(~mask[:, :, None], float("-inf"))  # mask [B, 1, max_q, max_kv] broadcasts over heads
+    grouped = scores.view(kv_heads, num_rows, groups, max_q, -1)
+    grouped.masked_fill_(~mask[None], float("-inf"))  # mask [S, 1, max_q, L] broadcasts over heads
     probs = scores.softmax(-1).to(value.dtype)
-    return torch.matmul(probs, value).reshape(b, num_heads, max_q, head_dim)
+    out = torch.matmul(probs, value)  # [KVH, S, groups * max_q, D]
+    return out.transpose(0, 1).reshape(num_rows, num_heads, max_q, head_dim)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, ragged_attention)

@@ -59,6 +59,12 @@ class RowFault(RuntimeError):
 class RunnerConfig:
     max_num_seqs: int = 16
     max_model_len: int = 2048
+    # The KV pool: `num_kv_blocks` blocks of `block_size` positions; else as many
+    # as `kv_cache_memory` holds (bytes, or a fraction <= 1 of the device's free
+    # memory); else room for `max_num_seqs` sequences of `max_model_len`.
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: float | None = None
     # Test-only: honour SamplingParams.fault ("raise" | "nan") to inject faults.
     enable_fault_injection: bool = False
 
@@ -67,6 +73,10 @@ class RunnerConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.block_size < 1 or (self.num_kv_blocks is not None and self.num_kv_blocks < 1):
+            raise ValueError("the KV pool needs at least one block of at least one token")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be > 0")
 
 
 @dataclass
@@ -107,13 +117,15 @@ class ModelRunner:
         self.device = target.device
         self.vocab_size = target.vocab_size
         target.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        assert config.num_kv_blocks is not None, "build_runner sizes the KV pool"
         self.cache = KVCache.for_model(
-            target.model.config, config.max_num_seqs, config.max_model_len, target.dtype, target.device
+            target.model.config, config.num_kv_blocks, config.block_size, target.dtype, target.device
         )
         logger.info(
-            "KV cache: %d slots x %d tokens, %.1f MiB",
-            config.max_num_seqs,
-            config.max_model_len,
+            "KV cache: %d blocks x %d tokens (%d tokens), %.1f MiB",
+            config.num_kv_blocks,
+            config.block_size,
+            config.num_kv_blocks * config.block_size,
             self.cache.num_bytes / 2**20,
         )
 
@@ -185,7 +197,9 @@ class ModelRunner:
             methods=methods,
             draft=None,
             draft_rows=draft_rows,
-            layout=LayoutPlan.build([r.slot for r in rows], [r.start_pos for r in rows], lens),
+            layout=LayoutPlan.build(
+                [r.block_ids for r in rows], [r.start_pos for r in rows], lens, self.config.block_size
+            ),
             sample_rows=[i for i, row in enumerate(rows) if row.sample],
             shadows=self._shadow_drafts(rows),
         )

@@ -26,6 +26,10 @@ Useful PromQL (sum over pods and methods as needed):
     1 + sum(rate(specd_spec_decode_num_accepted_tokens_total[5m]))
       / sum(rate(specd_spec_decode_num_drafts_total[5m]))
 
+    # prefix cache hit rate: share of looked-up prompt tokens found cached
+    sum(rate(specd_prefix_cache_hits_total[5m]))
+      / sum(rate(specd_prefix_cache_queries_total[5m]))
+
     # acceptance at draft position p (share of drafts whose token p survived)
     sum by (position) (rate(specd_spec_decode_num_accepted_tokens_per_pos_total[5m]))
       / ignoring(position) group_left sum(rate(specd_spec_decode_num_drafts_total[5m]))
@@ -42,7 +46,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
-from scheduler.types import FinishedRequestStats, FinishReason, SpecCounts, StepStats
+from scheduler.types import FinishedRequestStats, FinishReason, QueueState, SpecCounts, StepStats
 
 # Seconds: 1 ms .. 10 min, ~1-2-5 per decade plus a few midpoints.
 LATENCY_BUCKETS = (
@@ -79,9 +83,15 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "specd_step_seconds": ("histogram", ("phase",)),
     "specd_batch_size": ("histogram", ()),
     "specd_cost_model_prediction_ratio": ("histogram", ()),
+    "specd_prefix_cache_queries_total": ("counter", ()),
+    "specd_prefix_cache_hits_total": ("counter", ()),
+    "specd_num_preemptions_total": ("counter", ()),
     "specd_requests_running": ("gauge", ()),
     "specd_requests_waiting": ("gauge", ()),
+    "specd_requests_preempted": ("gauge", ()),
     "specd_kv_cache_usage_ratio": ("gauge", ()),
+    "specd_kv_blocks_used": ("gauge", ()),
+    "specd_kv_blocks_capacity": ("gauge", ()),
     "specd_spec_enabled": ("gauge", ()),
 }
 
@@ -143,6 +153,13 @@ class MetricsObserver:
             "specd_spec_policy_expected_tokens", "Tokens the policy expected the decode rows to emit."
         )
         self._emitted_tokens = counter("specd_spec_policy_emitted_tokens", "Tokens those decode rows emitted.")
+        self._cache_queries = counter(
+            "specd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (at each admission)."
+        )
+        self._cache_hits = counter("specd_prefix_cache_hits", "Of those, tokens whose KV the cache held.")
+        self._preemptions = counter(
+            "specd_num_preemptions", "Running requests preempted for KV blocks (recomputed later)."
+        )
 
         self._ttft = histogram("specd_time_to_first_token_seconds", "Time to first token.")
         self._itl_token = histogram(
@@ -168,8 +185,11 @@ class MetricsObserver:
         )
 
         self._running = gauge("specd_requests_running", "Requests in the running batch.")
-        self._waiting = gauge("specd_requests_waiting", "Requests waiting for admission.")
-        self._kv_usage = gauge("specd_kv_cache_usage_ratio", "Used / total KV cache capacity.")
+        self._waiting = gauge("specd_requests_waiting", "Requests waiting for admission (preempted ones included).")
+        self._preempted = gauge("specd_requests_preempted", "Waiting requests that were preempted.")
+        self._kv_usage = gauge("specd_kv_cache_usage_ratio", "KV blocks held by requests / all blocks.")
+        self._kv_blocks_used = gauge("specd_kv_blocks_used", "KV blocks held by requests.")
+        self._kv_blocks_total = gauge("specd_kv_blocks_capacity", "KV blocks in the pool.")
         self._spec_enabled = gauge("specd_spec_enabled", "1 while the last engine step speculated.")
 
     def _init_series(self, spec_methods: Iterable[str], num_speculative_tokens: int) -> None:
@@ -177,7 +197,8 @@ class MetricsObserver:
         for reason in FinishReason:
             self._requests.labels(model, reason.value)
         for counter in (self._prompt_tokens, self._generation_tokens, self._predicted, self._observed,
-                        self._expected_tokens, self._emitted_tokens):  # fmt: skip
+                        self._expected_tokens, self._emitted_tokens, self._cache_queries, self._cache_hits,
+                        self._preemptions):  # fmt: skip
             counter.labels(model)
         for method in spec_methods:
             for counter in (self._num_drafts, self._num_draft_tokens, self._num_accepted_tokens):
@@ -191,7 +212,8 @@ class MetricsObserver:
         for hist in (self._ttft, self._itl_token, self._itl_chunk, self._tpot, self._e2e,
                      self._queue, self._batch_size, self._prediction_ratio):  # fmt: skip
             hist.labels(model)
-        for gauge in (self._running, self._waiting, self._kv_usage, self._spec_enabled):
+        for gauge in (self._running, self._waiting, self._preempted, self._kv_usage, self._kv_blocks_used,
+                      self._kv_blocks_total, self._spec_enabled):  # fmt: skip
             gauge.labels(model).set(0)
 
     # -- recording --
@@ -201,7 +223,10 @@ class MetricsObserver:
         model = self.model_name
         self._steps.labels(model, stats.mode).inc()
         self._spec_enabled.labels(model).set(1 if stats.mode == "spec" else 0)
-        self.set_queue_state(stats.num_running, stats.num_waiting, stats.kv_usage)
+        self.set_queue_state(stats.queue)
+        self._cache_queries.labels(model).inc(stats.prefix_cache_queries)
+        self._cache_hits.labels(model).inc(stats.prefix_cache_hits)
+        self._preemptions.labels(model).inc(stats.num_preemptions)
         if stats.batch_size > 0:
             self._batch_size.labels(model).observe(stats.batch_size)
         self._prompt_tokens.labels(model).inc(stats.num_prompt_tokens)
@@ -254,12 +279,15 @@ class MetricsObserver:
             tpot = (finished.e2e_seconds - ttft) / (finished.num_output_tokens - 1)
             self._tpot.labels(model).observe(max(tpot, 0.0))
 
-    def set_queue_state(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+    def set_queue_state(self, queue: QueueState) -> None:
         """Scheduler gauges; also callable between steps (e.g. when idle)."""
         model = self.model_name
-        self._running.labels(model).set(num_running)
-        self._waiting.labels(model).set(num_waiting)
-        self._kv_usage.labels(model).set(kv_usage)
+        self._running.labels(model).set(queue.num_running)
+        self._waiting.labels(model).set(queue.num_waiting)
+        self._preempted.labels(model).set(queue.num_preempted)
+        self._kv_usage.labels(model).set(queue.kv_usage)
+        self._kv_blocks_used.labels(model).set(queue.kv_blocks_used)
+        self._kv_blocks_total.labels(model).set(queue.kv_blocks_total)
 
     # -- exposition --
 

@@ -19,6 +19,7 @@ class Completion:
     error: str | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_chunks: int = 0  # outputs that carried tokens (steps that emitted)
 
 
@@ -35,6 +36,7 @@ async def collect(engine: AsyncEngine, request: Request) -> Completion:
                 result.error = out.error
                 result.num_draft_tokens = out.num_draft_tokens
                 result.num_accepted_tokens = out.num_accepted_tokens
+                result.num_cached_tokens = out.num_cached_tokens
     return result
 
 

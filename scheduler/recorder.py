@@ -52,8 +52,10 @@ class StepRecorder:
         self.totals = SpecCounts()  # speculation since start, all methods
         self.last_step_speculated = False
         self._timing: dict[str, _Timing] = {}
+        # The scheduler's cumulative counters when last reported: (cache queries, cache hits, preemptions).
+        self._reported = (0, 0, 0)
         # Samples from published outputs, waiting for the next `step` or `idle`.
-        self._pending = StepStats(0.0, 0, 0, 0, 0.0, "plain")
+        self._pending = StepStats(0.0, 0, "plain")
 
     @property
     def num_tracked(self) -> int:
@@ -120,8 +122,11 @@ class StepRecorder:
             stats.expected_tokens = check.expected_tokens
             stats.emitted_tokens = check.emitted_tokens
         for row in batch.rows:
-            if row.start_pos == 0 and row.request.first_scheduled_time is not None:
-                stats.queue_seconds.append(row.request.first_scheduled_time - row.request.arrival_time)
+            request = row.request
+            # A request's first chunk starts after its cached prefix; a preempted one was counted before.
+            first_chunk = row.start_pos == request.num_cached_tokens and not request.num_preemptions
+            if first_chunk and request.first_scheduled_time is not None:
+                stats.queue_seconds.append(request.first_scheduled_time - request.arrival_time)
         self._notify(stats)
 
     def acceptance(self) -> dict:
@@ -141,10 +146,14 @@ class StepRecorder:
 
     def _take(self) -> StepStats:
         """The samples gathered since the last call, with the scheduler's state now."""
-        stats, self._pending = self._pending, StepStats(0.0, 0, 0, 0, 0.0, "plain")
-        stats.num_running = len(self.scheduler.running)
-        stats.num_waiting = len(self.scheduler.waiting)
-        stats.kv_usage = self.scheduler.kv_usage
+        stats, self._pending = self._pending, StepStats(0.0, 0, "plain")
+        scheduler = self.scheduler
+        stats.queue = scheduler.queue_state()
+        now = (scheduler.blocks.stats.queries, scheduler.blocks.stats.hits, scheduler.num_preemptions)
+        before, self._reported = self._reported, now
+        stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions = (
+            a - b for a, b in zip(now, before)
+        )
         return stats
 
     def _notify(self, stats: StepStats) -> None:

@@ -2,25 +2,34 @@
 
 `schedule()` builds one `Batch`: running requests first (decode, with the
 policy's draft tokens), then chunked prefill, then FIFO admission of waiting
-requests while a slot is free and the step's token budget lasts.
+requests while fewer than `max_num_seqs` run, the step's token budget lasts
+and the KV pool has the blocks for the request's prompt.
 `update()` applies the runner's `StepOutput`: appends tokens, cuts at stop
 tokens and `max_tokens`, rolls rejected drafts back by setting
-`num_computed_tokens`, and frees finished requests' slots.
+`num_computed_tokens`, offers newly full blocks to the prefix cache, and
+releases finished requests' blocks.
+
+KV memory is paged (`scheduler.kv_blocks`): a request holds blocks for the
+positions it has computed or is about to. When a decoding request needs a
+block and none is free, the newest running request is preempted: its blocks
+are released (its full ones stay cached) and it waits at the head of the
+queue to be recomputed from its tokens; its client only sees a pause.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler.cost_model import StepShape
+from scheduler.kv_blocks import BlockPool, block_key, blocks_for
 from scheduler.policy import SpecConfig, SpecPolicy, StepPlan
 from scheduler.types import (
     Batch,
     FinishReason,
     InvalidRequestError,
+    QueueState,
     Request,
     RequestOutput,
     RequestStatus,
@@ -42,14 +51,29 @@ class SchedulerConfig:
     max_queue: int = 256
     eos_token_ids: list[int] = field(default_factory=list)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    # KV pool: blocks of `block_size` positions. None: what `max_num_seqs`
+    # sequences of `max_model_len` need, the memory a per-sequence reservation took.
+    num_kv_blocks: int | None = None
+    block_size: int = 16
+    prefix_caching: bool = True
+    # Roots the prefix cache's keys: the served model (and its dtype).
+    cache_identity: str = ""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.block_size < 1 or (self.num_kv_blocks is not None and self.num_kv_blocks < 1):
+            raise ValueError("the KV pool needs at least one block of at least one token")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running request decodes each step)")
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+
+    @property
+    def resolved_num_kv_blocks(self) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        return blocks_for(self.max_num_seqs * self.max_model_len, self.block_size)
 
 
 @dataclass
@@ -71,29 +95,41 @@ class Scheduler:
         self.last_check: StepCheck | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._free_slots = list(range(config.max_num_seqs))
-        heapq.heapify(self._free_slots)
+        self.blocks = BlockPool(
+            config.resolved_num_kv_blocks, config.block_size, config.prefix_caching, config.cache_identity
+        )
+        # Admission keeps this many blocks free, so the next decode steps rarely preempt (vLLM's watermark).
+        self._watermark = self.blocks.num_blocks // 100
+        self.num_preemptions = 0
         self._aborted: set[str] = set()
         self._finished_ids: list[str] = []
         self._requests: dict[str, Request] = {}
 
     # -- intake --
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest prompt + completion that can run: max_model_len, or the KV pool if smaller."""
+        return min(self.config.max_model_len, self.blocks.num_blocks * self.blocks.block_size)
+
     def check(self, request: Request) -> None:
         """Refuse what can never run, before it is queued."""
-        limit = self.config.max_model_len
+        pool, limit = self.blocks, self.max_sequence_tokens
+        if limit < self.config.max_model_len:  # the pool, not the model, sets the limit
+            what = f"the KV cache ({pool.num_blocks} blocks of {pool.block_size}) holds"
+        else:
+            what = "this model's maximum context length is"
         if not request.prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if request.num_prompt_tokens >= limit:
             raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens, "
-                f"but the prompt has {request.num_prompt_tokens} tokens",
+                f"{what} {limit} tokens, but the prompt has {request.num_prompt_tokens} tokens",
                 param="prompt",  # the server names its own field (chat: "messages")
                 code="context_length_exceeded",
             )
         if request.num_prompt_tokens + request.params.max_tokens > limit:
             raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens; the prompt has "
-                f"{request.num_prompt_tokens} tokens and max_tokens is {request.params.max_tokens}",
+                f"{what} {limit} tokens; the prompt has {request.num_prompt_tokens} tokens "
+                f"and max_tokens is {request.params.max_tokens}",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
@@ -118,8 +154,17 @@ class Scheduler:
 
     @property
     def kv_usage(self) -> float:
-        used = sum(r.num_computed_tokens for r in self.running)
-        return used / (self.config.max_num_seqs * self.config.max_model_len)
+        """Blocks held by requests / all blocks (cached free blocks count as free)."""
+        return self.blocks.num_used / self.blocks.num_blocks
+
+    def queue_state(self) -> QueueState:
+        return QueueState(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preempted=sum(1 for r in self.waiting if r.num_preemptions),
+            kv_blocks_used=self.blocks.num_used,
+            kv_blocks_total=self.blocks.num_blocks,
+        )
 
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -157,6 +202,7 @@ class Scheduler:
         """The next batch, plus final outputs for requests aborted since the last step."""
         aborted = self._apply_aborts()
         budget = self.config.max_num_batched_tokens
+        preempted = self._reserve_decode_blocks()
         decoding = [r for r in self.running if not r.is_prefilling]
         budget -= len(decoding)
         rows: list[ScheduledRow] = []
@@ -168,14 +214,19 @@ class Scheduler:
                 prefills.append(self._prefill_row(request, budget))
                 budget -= len(prefills[-1].token_ids)
         now = time.monotonic()
-        while self.waiting and self._free_slots and budget > 0:
-            request = self.waiting.popleft()
-            request.slot = heapq.heappop(self._free_slots)
+        # No admission in a step that had to preempt: the blocks just freed are spoken for.
+        while self.waiting and not preempted and len(self.running) < self.config.max_num_seqs and budget > 0:
+            request = self.waiting[0]
+            if not self._admit(request):
+                break  # its blocks do not fit yet: it keeps its place
+            self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            request.first_scheduled_time = now
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
             self.running.append(request)
-            prefills.append(self._prefill_row(request, budget))
-            budget -= len(prefills[-1].token_ids)
+            if request.is_prefilling:  # a preempted request may find all of its KV cached
+                prefills.append(self._prefill_row(request, budget))
+                budget -= len(prefills[-1].token_ids)
 
         caps = [self._draft_cap(r) for r in decoding]
         prefill = StepShape(
@@ -184,6 +235,9 @@ class Scheduler:
         )
         ks, self.last_plan = self.policy.decide(decoding, caps, budget, len(self.running), prefill)
         for request, k in zip(decoding, ks):
+            if k and not self._grow(request, request.num_computed_tokens + 1 + k):
+                # No blocks for every draft: draft what the request's blocks hold (never preempt for drafts).
+                k = len(request.block_ids) * self.blocks.block_size - request.num_computed_tokens - 1
             rows.append(
                 ScheduledRow(
                     request=request,
@@ -200,13 +254,95 @@ class Scheduler:
 
     def _prefill_row(self, request: Request, budget: int) -> ScheduledRow:
         start = request.num_computed_tokens
-        end = min(request.num_prompt_tokens, start + budget)
+        end = min(request.num_prefill_tokens, start + budget)
         return ScheduledRow(
             request=request,
-            token_ids=request.prompt_ids[start:end],
+            token_ids=request.token_slice(start, end),
             start_pos=start,
-            sample=end == request.num_prompt_tokens,
+            sample=end == request.num_prompt_tokens and not request.output_ids,
         )
+
+    # -- KV blocks --
+    def _admit(self, request: Request) -> bool:
+        """Give `request` the longest cached prefix of its tokens and fresh blocks for the
+        rest of its prefill; False (nothing taken) when they do not fit."""
+        pool, size = self.blocks, self.blocks.block_size
+        # The last token is always computed (its logits give the next one), so a hit
+        # stops at a whole block short of it and never shares a block it writes.
+        max_hit_blocks = (request.num_tokens - 1) // size
+        self._extend_keys(request, max_hit_blocks)
+        hits = pool.lookup(request.block_keys[:max_hit_blocks])
+        num_new = max(0, blocks_for(request.num_prefill_tokens, size) - len(hits))
+        reserve = self._watermark if self.running else 0
+        if pool.num_needed(hits, num_new) + reserve > pool.num_free:
+            return False
+        pool.take(hits)
+        request.block_ids = hits + pool.allocate(num_new)
+        request.num_computed_tokens = len(hits) * size
+        pool.count_lookup(request.num_prefill_tokens, request.num_computed_tokens)
+        if not request.num_preemptions:
+            request.num_cached_tokens = request.num_computed_tokens
+        return True
+
+    def _grow(self, request: Request, num_positions: int) -> bool:
+        """Blocks for positions < num_positions; False (nothing taken) when the pool lacks them."""
+        missing = blocks_for(num_positions, self.blocks.block_size) - len(request.block_ids)
+        if missing <= 0:
+            return True
+        if missing > self.blocks.num_free:
+            return False
+        request.block_ids += self.blocks.allocate(missing)
+        return True
+
+    def _reserve_decode_blocks(self) -> bool:
+        """A block for every decoding request's next token, oldest first; when the pool
+        is out, the newest running request is preempted (possibly the one asking).
+        True if any was."""
+        before = self.num_preemptions
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING or request.is_prefilling:
+                continue  # preempted just now, or holding its prompt's blocks since admission
+            while not self._grow(request, request.num_computed_tokens + 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+        return self.num_preemptions > before
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._finished_ids.append(request.request_id)  # the runner drops its per-request state
+
+    def _release(self, request: Request) -> None:
+        self._cache_blocks(request, 0)
+        self.blocks.release(request.block_ids)
+        request.block_ids = []
+
+    def _cache_blocks(self, request: Request, from_position: int) -> None:
+        """Offer the blocks that filled with computed tokens since `from_position` to the prefix cache."""
+        if not self.blocks.enable_caching:
+            return
+        size = self.blocks.block_size
+        # Positions past num_tokens may hold accepted drafts cut by a stop token: not the sequence's.
+        num_full = min(request.num_computed_tokens, request.num_tokens) // size
+        self._extend_keys(request, num_full)
+        for i in range(from_position // size, num_full):
+            self.blocks.cache(request.block_ids[i], request.block_keys[i])
+
+    def _extend_keys(self, request: Request, num_blocks: int) -> None:
+        """Prefix-cache keys of the request's first `num_blocks` full blocks (computed once each)."""
+        if not self.blocks.enable_caching:
+            return
+        keys, size = request.block_keys, self.blocks.block_size
+        for i in range(len(keys), num_blocks):
+            parent = keys[-1] if keys else self.blocks.root(request.tenant)
+            keys.append(block_key(parent, request.token_slice(i * size, (i + 1) * size)))
 
     def _draft_cap(self, request: Request) -> int:
         # A step emits up to k + 1 tokens; drafting past max_tokens is waste.
@@ -230,11 +366,14 @@ class Scheduler:
                 continue
             request.num_computed_tokens = row.start_pos + len(row.token_ids) + out.num_accepted_tokens
             if not row.sample:
+                self._cache_blocks(request, row.start_pos)
                 continue
             self._count_speculation(request, out)
             if request.params.speculation == "auto":
                 self.policy.observe_shadow(request, out.shadow_ids or [], out.token_ids)
             new_ids, stop_id = self._append(request, out.token_ids)
+            if not request.is_finished:  # a finished request's blocks were offered on release
+                self._cache_blocks(request, row.start_pos)
             n = len(new_ids)
             logprobs = out.logprobs[:n] if out.logprobs is not None else None
             top = out.top_logprobs[:n] if out.top_logprobs is not None else None
@@ -314,8 +453,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            assert request.slot is not None
-            heapq.heappush(self._free_slots, request.slot)
+            self._release(request)
             self._finished_ids.append(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -332,6 +470,7 @@ class Scheduler:
             finish_reason=request.finish_reason if finished else None,
             error=request.error,
             num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_ids),
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,

@@ -135,11 +135,17 @@ class Request:
 
     # -- scheduler state --
     status: RequestStatus = RequestStatus.WAITING
-    slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache. Rejected drafts are rolled back by
     # moving this back; the runner writes each step from here.
     num_computed_tokens: int = 0
+    # KV blocks holding positions 0, block_size, 2 * block_size, ... (`scheduler.kv_blocks`).
+    block_ids: list[int] = field(default_factory=list)
+    # Prefix-cache keys of the sequence's full blocks, computed as they fill.
+    block_keys: list[bytes] = field(default_factory=list)
+    # Prompt tokens found in the prefix cache when first admitted (usage.prompt_tokens_details).
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     first_scheduled_time: float | None = None
@@ -157,8 +163,27 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens to compute before the request decodes: its prompt, or, after a
+        preemption freed its KV, everything but the last token (which decodes)."""
+        return self.num_tokens - 1 if self.output_ids else len(self.prompt_ids)
+
+    @property
     def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < len(self.prompt_ids)
+        return self.num_computed_tokens < self.num_prefill_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -191,15 +216,15 @@ class ScheduledRow:
         return self.request.request_id
 
     @property
-    def slot(self) -> int:
-        assert self.request.slot is not None
-        return self.request.slot
+    def block_ids(self) -> list[int]:
+        return self.request.block_ids
 
 
 @dataclass
 class Batch:
     rows: list[ScheduledRow]
-    # Requests that left since the last step: the runner drops their state.
+    # Requests that finished or were preempted since the last step: the runner
+    # drops their state (a preempted one starts afresh when readmitted).
     finished_ids: list[str] = field(default_factory=list)
 
 
@@ -243,6 +268,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_output_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -271,6 +297,21 @@ class FinishedRequestStats:
 
 
 @dataclass
+class QueueState:
+    """The scheduler's queues and KV pool at one moment: what the gauges show."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preempted: int = 0  # of the waiting: requests that ran and were preempted
+    kv_blocks_used: int = 0  # held by requests (free cached blocks count as free)
+    kv_blocks_total: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass
 class StepStats:
     """Everything one engine step did, for the metrics observer.
 
@@ -280,10 +321,12 @@ class StepStats:
 
     step_seconds: float
     batch_size: int  # running requests in the step
-    num_running: int  # after the step
-    num_waiting: int
-    kv_usage: float
     mode: Literal["spec", "plain"]
+    queue: QueueState = field(default_factory=lambda: QueueState())  # after the step
+    # Since the last stats: prefix-cache lookups and hits (tokens), and preemptions.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
     num_prompt_tokens: int = 0  # prompt tokens prefilled this step
     num_generation_tokens: int = 0  # tokens emitted this step
     spec: dict[str, SpecCounts] = field(default_factory=dict)  # by method

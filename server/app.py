@@ -26,7 +26,7 @@ from scheduler.engine import AsyncEngine, new_step_thread
 from scheduler.metrics import MetricsObserver
 from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
-from server.config import DEFAULT_MAX_MODEL_LEN, Settings
+from server.config import DEFAULT_KV_SEQUENCES, DEFAULT_MAX_MODEL_LEN, Settings
 from server.errors import install_error_handlers
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
 from server.routes import router
@@ -70,18 +70,30 @@ def build_components(settings: Settings) -> Components:
     runner = build_runner(
         loaded,
         RunnerConfig(
-            max_num_seqs=settings.max_num_seqs,
+            max_num_seqs=min(settings.max_num_seqs, DEFAULT_KV_SEQUENCES),  # the default pool's size
             max_model_len=max_model_len,
+            block_size=settings.block_size,
+            num_kv_blocks=settings.num_kv_blocks,
+            kv_cache_memory=settings.kv_cache_memory,
             enable_fault_injection=settings.enable_fault_injection,
         ),
         ProposerConfig(method=settings.draft, draft_model=settings.draft_model),
     )
+    config = runner.config
+    assert config.num_kv_blocks is not None
+    pool_tokens = config.num_kv_blocks * config.block_size
+    if pool_tokens < config.max_model_len:
+        logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d", pool_tokens, config.max_model_len)
     scheduler_config = SchedulerConfig(
         max_num_seqs=settings.max_num_seqs,
-        max_model_len=runner.config.max_model_len,
+        max_model_len=config.max_model_len,
         max_num_batched_tokens=settings.resolved_max_num_batched_tokens,
         max_queue=settings.max_queue,
         eos_token_ids=loaded.eos_token_ids,
+        num_kv_blocks=config.num_kv_blocks,
+        block_size=config.block_size,
+        prefix_caching=settings.prefix_caching,
+        cache_identity=f"{served_names(settings)[0]}:{loaded.dtype}",
         spec=SpecConfig(
             num_speculative_tokens=settings.resolved_num_speculative_tokens,
             spec_disable_batch_size=settings.spec_disable_batch_size,
@@ -137,7 +149,7 @@ class AppState:
             tokenizer=loaded.tokenizer,
             model_id=loaded.model_id,
             served_names=self.names,
-            max_model_len=components.scheduler_config.max_model_len,
+            max_model_len=engine.scheduler.max_sequence_tokens,
             vocab_size=loaded.vocab_size,
             system_fingerprint="fp_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:10],
             enable_fault_injection=settings.enable_fault_injection,
@@ -147,7 +159,7 @@ class AppState:
             "ready: serving %s as %s (max_model_len=%d, max_num_seqs=%d)",
             loaded.model_id,
             ", ".join(self.names),
-            components.scheduler_config.max_model_len,
+            engine.scheduler.max_sequence_tokens,
             settings.max_num_seqs,
         )
 
@@ -156,7 +168,7 @@ class AppState:
         if self.engine is not None:
             # uvicorn has already waited --shutdown-timeout for open requests; abort what is left.
             await self.engine.stop(timeout=1.0)
-            self.metrics.set_queue_state(0, 0, 0.0)
+            self.metrics.set_queue_state(self.engine.scheduler.queue_state())
         self.step_thread.shutdown(wait=False)
 
 

@@ -28,7 +28,7 @@ from scheduler.engine import RequestStream
 from scheduler.types import FinishReason, RequestOutput
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.errors import APIError, EngineError
-from server.protocol import CompletionTokensDetails, ResponseHead, SamplingFields, Usage
+from server.protocol import CompletionTokensDetails, PromptTokensDetails, ResponseHead, SamplingFields, Usage
 from server.record import RequestRecord
 
 logger = logging.getLogger("specd.server")
@@ -77,6 +77,7 @@ class Choice:
     ):
         self.index = index
         self.stream = stream
+        self.prompt_ids = prompt_ids  # shared by the choices of one prompt
         self.want_logprobs = stream.request.params.logprobs is not None
         self.has_prediction = stream.request.prediction_ids is not None
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, req.skip_special_tokens)
@@ -213,7 +214,12 @@ def finish_all(choices: list[Choice], record: RequestRecord) -> None:
 
 def usage_of(choices: list[Choice], num_prompt_tokens: int) -> Usage:
     completion = accepted = rejected = 0
+    # Each prompt counts once however many choices ran it: its best cache hit among them.
+    cached: dict[int, int] = {}
     for choice in choices:
+        if choice.last is not None:
+            key = id(choice.prompt_ids)
+            cached[key] = max(cached.get(key, 0), choice.last.num_cached_tokens)
         if choice.num_completion_tokens is not None:
             completion += choice.num_completion_tokens
         elif choice.last is not None:
@@ -225,6 +231,7 @@ def usage_of(choices: list[Choice], num_prompt_tokens: int) -> Usage:
         prompt_tokens=num_prompt_tokens,
         completion_tokens=completion,
         total_tokens=num_prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())),
         completion_tokens_details=CompletionTokensDetails(
             accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected
         ),

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import ByteSize, Field, SecretStr, TypeAdapter, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -24,8 +24,11 @@ ENV_PREFIX = "SPECD_"
 CONFIG_ENV = "SPECD_CONFIG"
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+# Default KV memory: what 16 sequences of max_model_len held when each had a fixed slot.
+DEFAULT_KV_SEQUENCES = 16
 
 CommaList = Annotated[list[str], NoDecode]
+_BYTES = TypeAdapter(ByteSize)
 
 # Values read from the YAML file for the `Settings` being built (see `load_settings`).
 _file_values: ContextVar[dict[str, Any] | None] = ContextVar("specd_file_values", default=None)
@@ -103,7 +106,9 @@ class Settings(BaseSettings):
     spec_adaptive: bool = Field(True, description="Adapt each request's draft length to its own acceptance history.")
 
     # -- scheduling --
-    max_num_seqs: int = Field(16, ge=1, description="Requests decoded together in one batch (KV cache slots).")
+    max_num_seqs: int = Field(
+        64, ge=1, description="Most requests running at once (a concurrency cap; KV memory is set apart, below)."
+    )
     max_model_len: int | None = Field(
         None,
         ge=2,
@@ -117,10 +122,40 @@ class Settings(BaseSettings):
     )
     max_queue: int = Field(256, ge=0, description="Waiting requests beyond which new ones get 503 + Retry-After.")
 
+    # -- KV cache --
+    block_size: int = Field(16, ge=1, le=1024, description="Token positions per KV cache block.")
+    num_kv_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="KV cache blocks to preallocate (default: from --kv-cache-memory, else room for "
+        f"{DEFAULT_KV_SEQUENCES} sequences of --max-model-len, or --max-num-seqs if fewer).",
+    )
+    kv_cache_memory: float | None = Field(
+        None,
+        gt=0,
+        description="KV cache size: bytes (2GiB, 512MB, 1e9) or, at most 1, a fraction of the device's free memory.",
+    )
+    prefix_caching: bool = Field(
+        True,
+        description="Reuse the KV of prompt prefixes seen before (automatic prefix caching); "
+        "shared only among requests with the same cache_salt (else user).",
+    )
+
     # Test only (absent from --help): honour a request's `fault` field ("raise" | "nan").
     enable_fault_injection: bool = Field(
         False, description="Test only: honour a request's 'fault' field.", json_schema_extra={"hidden": True}
     )
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _parse_bytes(cls, value: Any) -> Any:
+        """'2GiB', '512MB', '1e9' or '0.5' (a fraction of free memory)."""
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                return float(_BYTES.validate_python(value))
+        return value
 
     @field_validator("allowed_origins", "served_model_name", mode="before")
     @classmethod

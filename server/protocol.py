@@ -218,10 +218,15 @@ class CompletionTokensDetails(OpenAIResponse):
     reasoning_tokens: int = 0
 
 
+class PromptTokensDetails(OpenAIResponse):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(OpenAIResponse):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 

@@ -52,7 +52,7 @@ async def ready(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     state = _state(request)
     if state.engine is not None:
-        state.metrics.set_queue_state(state.engine.num_running, state.engine.num_waiting, state.engine.kv_usage)
+        state.metrics.set_queue_state(state.engine.scheduler.queue_state())
     body, content_type = state.metrics.render(request.headers.get("accept"))
     return Response(body, media_type=content_type)
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from scheduler.metrics import METRICS, MetricsObserver
-from scheduler.types import FinishedRequestStats, FinishReason, SpecCounts, StepStats
+from scheduler.types import FinishedRequestStats, FinishReason, QueueState, SpecCounts, StepStats
 from tests.deploy.prom_server import PrometheusServer
 from tests.deploy.promql import DASHBOARD, RULES, all_exprs, dashboard_exprs, rule_exprs
 from tests.support import REPO
@@ -494,15 +494,17 @@ def workload_steps(i: int) -> list[StepStats]:
     """One spec step and one plain step. Acceptance is low, the queue grows and
     TTFT is slow, so every alert expression has data too."""
     spec = StepStats(
-        step_seconds=0.02, batch_size=2, num_running=2, num_waiting=10 + i, kv_usage=0.3,
-        mode="spec", num_generation_tokens=4,
+        step_seconds=0.02, batch_size=2, mode="spec",
+        queue=QueueState(num_running=2, num_waiting=10 + i, kv_blocks_used=3, kv_blocks_total=10),
+        num_generation_tokens=4,
         spec={"ngram": SpecCounts(num_drafts=2, num_draft_tokens=40, num_accepted_tokens=2)},
         accepted_per_position=[2, 0, 0],
         phase_seconds={"draft": 0.002, "verify": 0.018}, token_gaps=[(2, 0.02), (2, 0.03)],
     )  # fmt: skip
     plain = StepStats(
-        step_seconds=0.05, batch_size=3, num_running=3, num_waiting=11 + i, kv_usage=0.4,
-        mode="plain", num_prompt_tokens=12, num_generation_tokens=3,
+        step_seconds=0.05, batch_size=3, mode="plain",
+        queue=QueueState(num_running=3, num_waiting=11 + i, kv_blocks_used=4, kv_blocks_total=10),
+        prefix_cache_queries=12, prefix_cache_hits=6, num_prompt_tokens=12, num_generation_tokens=3,
         phase_seconds={"prefill": 0.04, "decode": 0.01}, token_gaps=[(1, 0.05)],
         first_token_latencies=[5.0], queue_seconds=[0.2],
         finished=[FinishedRequestStats(FinishReason.STOP, 6.0, 5.0, 12, 9),

@@ -18,7 +18,7 @@ from scheduler.offline import run_offline
 from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
-from tests.support.tensors import packed_forward
+from tests.support.tensors import packed_forward, read_kv, slot_table
 
 PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G", "for i in range(10):\n"]
 
@@ -26,14 +26,20 @@ PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E 
 def make_runner(model_dir: Path, method: str = "ngram", draft: Path | None = None) -> ModelRunner:
     target = load_model(ModelConfig(str(model_dir), dtype="float32", device="cpu"))
     return build_runner(
-        target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig(method, str(draft) if draft else None)
+        target,
+        RunnerConfig(max_num_seqs=SLOTS, max_model_len=MAX_LEN, block_size=BLOCK),
+        ProposerConfig(method, str(draft) if draft else None),
     )
 
 
+SLOTS, MAX_LEN, BLOCK = 4, 256, 16  # make_runner's pool: 4 x 256 positions in blocks of 16
+
+
 def running(rid: str, prompt: list[int], slot: int, **params) -> Request:
+    """A running request holding the blocks of sequence `slot` of the pool (scattered blocks)."""
     params.setdefault("temperature", 0)
     request = Request(rid, prompt, SamplingParams(max_tokens=64, ignore_eos=True, **params))
-    request.status, request.slot = RequestStatus.RUNNING, slot
+    request.status, request.block_ids = RequestStatus.RUNNING, slot_table(slot, SLOTS, MAX_LEN // BLOCK)
     return request
 
 
@@ -103,16 +109,15 @@ def _draft_kv_matches_fresh_prefill(runner: ModelRunner, request: Request) -> No
     n = proposer._computed[request.request_id]
     assert n >= len(request.prompt_ids)
     draft = proposer.draft.model
-    fresh = KVCache.for_model(draft.config, 1, 256, torch.float32, torch.device("cpu"))
+    fresh = KVCache.for_model(draft.config, MAX_LEN // BLOCK, BLOCK, torch.float32, torch.device("cpu"))
     tokens = request.all_token_ids[:n]
-    packed_forward(draft, fresh, [0], [0], [tokens], [n - 1])
+    consecutive = list(range(MAX_LEN // BLOCK))
+    packed_forward(draft, fresh, [consecutive], [0], [tokens], [n - 1])
     for layer in range(len(fresh.keys)):
-        torch.testing.assert_close(
-            proposer.cache.keys[layer][request.slot, :, :n], fresh.keys[layer][0, :, :n], atol=1e-5, rtol=0
-        )
-        torch.testing.assert_close(
-            proposer.cache.values[layer][request.slot, :, :n], fresh.values[layer][0, :, :n], atol=1e-5, rtol=0
-        )
+        for ours, expected in zip(
+            read_kv(proposer.cache, layer, request.block_ids, n), read_kv(fresh, layer, consecutive, n)
+        ):
+            torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
 
 
 def test_draft_kv_after_rejections_and_plain_steps_equals_a_fresh_prefill(tiny_llama_dir, tiny_draft_dir):
@@ -193,3 +198,17 @@ def _callers() -> list[str]:
         if root in path.parents and path.parts[len(root.parts)] in ("models", "scheduler"):
             frames.append(f"{path.relative_to(root)}:{frame.lineno}")
     return frames[-1:]
+
+
+def test_the_kv_pool_is_sized_by_blocks_memory_or_sequences(tiny_llama_dir):
+    from models.builder import free_memory, num_kv_blocks
+
+    target = load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu"))
+    per_block = KVCache.bytes_per_block(target.model.config, BLOCK, torch.float32)
+    assert num_kv_blocks(RunnerConfig(num_kv_blocks=7), target) == 7
+    assert num_kv_blocks(RunnerConfig(kv_cache_memory=10 * per_block + 1, block_size=BLOCK), target) == 10
+    assert num_kv_blocks(RunnerConfig(max_num_seqs=2, max_model_len=64, block_size=BLOCK), target) == 8
+    fraction = num_kv_blocks(RunnerConfig(kv_cache_memory=0.001, block_size=BLOCK), target)
+    assert fraction == pytest.approx(0.001 * free_memory(target.device) / per_block, rel=0.2)
+    with pytest.raises(ValueError, match="holds no KV block"):
+        num_kv_blocks(RunnerConfig(kv_cache_memory=per_block - 1, block_size=BLOCK), target)

@@ -43,13 +43,11 @@ def chaos_args(cycle_model_dir: Path) -> list[str]:
 
 def leaked_bookkeeping(probe: dict) -> dict[str, int]:
     """Per-request engine state that must be empty when nothing runs."""
-    keys = ("streams", "timings", "requests", "waiting", "running", "aborted", "policy_states", "proposer_states")
-    leaked = {k: probe[k] for k in keys if probe.get(k)}
-    if probe.get("kv_usage"):
-        leaked["kv_usage"] = probe["kv_usage"]
-    if probe.get("free_slots") != probe.get("num_slots"):
-        leaked["slots_in_use"] = probe.get("num_slots", 0) - probe.get("free_slots", 0)
-    return leaked
+    keys = (
+        "streams", "timings", "requests", "waiting", "running", "aborted", "policy_states", "proposer_states",
+        "blocks_in_use", "block_references", "kv_usage",
+    )  # fmt: skip
+    return {k: probe[k] for k in keys if probe.get(k)}
 
 
 # -- a client that hangs up ---------------------------------------------------------------

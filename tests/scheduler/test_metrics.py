@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
 from scheduler.metrics import LATENCY_BUCKETS, METRICS, MetricsObserver
-from scheduler.types import FinishedRequestStats, FinishReason, SpecCounts, StepStats
+from scheduler.types import FinishedRequestStats, FinishReason, QueueState, SpecCounts, StepStats
 from tests.support.metrics import Metrics
 
 MODEL = "tiny-llama"
@@ -20,10 +20,8 @@ def spec_step() -> StepStats:
     return StepStats(
         step_seconds=0.05,
         batch_size=3,
-        num_running=3,
-        num_waiting=2,
-        kv_usage=0.25,
         mode="spec",
+        queue=QueueState(num_running=3, num_waiting=2, kv_blocks_used=4, kv_blocks_total=16),
         num_prompt_tokens=0,
         num_generation_tokens=7,
         spec={
@@ -45,10 +43,11 @@ def plain_step() -> StepStats:
     return StepStats(
         step_seconds=0.2,
         batch_size=3,
-        num_running=3,
-        num_waiting=0,
-        kv_usage=0.5,
         mode="plain",
+        queue=QueueState(num_running=3, num_waiting=1, num_preempted=1, kv_blocks_used=8, kv_blocks_total=16),
+        prefix_cache_queries=40,
+        prefix_cache_hits=32,
+        num_preemptions=1,
         num_prompt_tokens=11,
         num_generation_tokens=3,
         phase_seconds={"prefill": 0.15, "decode": 0.05},
@@ -115,6 +114,9 @@ def test_counters_move_by_the_step_amounts(observer):
     assert fams.one("specd_requests_total", finish_reason="stop") == 1
     assert fams.one("specd_requests_total", finish_reason="length") == 1
     assert fams.one("specd_requests_total", finish_reason="abort") == 0
+    assert fams.one("specd_prefix_cache_queries_total") == 40
+    assert fams.one("specd_prefix_cache_hits_total") == 32
+    assert fams.one("specd_num_preemptions_total") == 1
 
     spec = {"method": "ngram"}
     assert fams.one("specd_spec_decode_num_drafts_total", **spec) == 2
@@ -182,9 +184,11 @@ def test_gauges_follow_the_last_step_and_queue_state(observer):
     fams = families(observer)
     assert fams.one("specd_spec_enabled") == 0
     assert fams.one("specd_requests_running") == 3
-    assert fams.one("specd_requests_waiting") == 0
+    assert fams.one("specd_requests_waiting") == 1
+    assert fams.one("specd_requests_preempted") == 1
     assert fams.one("specd_kv_cache_usage_ratio") == 0.5
-    observer.set_queue_state(num_running=0, num_waiting=4, kv_usage=0.0)
+    assert (fams.one("specd_kv_blocks_used"), fams.one("specd_kv_blocks_capacity")) == (8, 16)
+    observer.set_queue_state(QueueState(num_running=0, num_waiting=4, kv_blocks_total=16))
     fams = families(observer)
     assert fams.one("specd_requests_running") == 0
     assert fams.one("specd_requests_waiting") == 4
@@ -195,8 +199,7 @@ def test_abort_before_start_and_zero_token_rows(observer):
         FinishReason.ABORT, e2e_seconds=0.7, ttft_seconds=None, num_prompt_tokens=0, num_output_tokens=0
     )
     observer.observe(
-        StepStats(step_seconds=0.01, batch_size=0, num_running=0, num_waiting=0,
-                  kv_usage=0.0, mode="plain", token_gaps=[(0, 0.5)], finished=[aborted])
+        StepStats(step_seconds=0.01, batch_size=0, mode="plain", token_gaps=[(0, 0.5)], finished=[aborted])
     )  # fmt: skip
     fams = families(observer)
     assert fams.one("specd_requests_total", finish_reason="abort") == 1

@@ -49,15 +49,15 @@ def scheduler(**kw) -> Scheduler:
     return Scheduler(SchedulerConfig(**defaults), proposer="ngram")
 
 
-def test_fifo_admission_and_slots():
+def test_fifo_admission_up_to_max_num_seqs():
     s = scheduler()
     for i in range(3):
         s.add(make(f"r{i}"))
     batch, _ = s.schedule()
     assert [r.request_id for r in batch.rows] == ["r0", "r1"]
-    assert [r.slot for r in batch.rows] == [0, 1]
+    assert [r.block_ids for r in batch.rows] == [[0], [1]]  # a 4-token prompt fills part of one block
     assert all(r.sample and r.start_pos == 0 for r in batch.rows)
-    assert [r.request_id for r in s.waiting] == ["r2"]  # no slot: waits
+    assert [r.request_id for r in s.waiting] == ["r2"]  # max_num_seqs running: waits
 
 
 def test_token_budget_chunks_prefill():
@@ -91,7 +91,7 @@ def test_capacity_wait_then_admit_after_finish():
     assert outs[0].finished and outs[0].finish_reason is FinishReason.LENGTH
     batch, _ = s.schedule()
     assert [r.request_id for r in batch.rows] == ["b"]
-    assert batch.rows[0].slot == 0
+    assert s.blocks.num_used == 1  # a's block went back to the pool
     assert batch.finished_ids == ["a"]
 
 
@@ -133,7 +133,7 @@ def test_rollback_moves_num_computed_tokens():
     assert request.num_prompt_tokens + len(request.output_ids) == request.num_computed_tokens + 1
 
 
-def test_abort_waiting_and_running_frees_slot():
+def test_abort_waiting_and_running_frees_blocks():
     s = scheduler(max_num_seqs=1)
     s.add(make("a", max_tokens=10))
     s.add(make("b"))
@@ -148,7 +148,7 @@ def test_abort_waiting_and_running_frees_slot():
     assert s.kv_usage == 0 and not s.running and not s.waiting
     s.add(make("c"))
     batch, _ = s.schedule()
-    assert batch.rows[0].slot == 0
+    assert [r.request_id for r in batch.rows] == ["c"] and s.blocks.num_used == 1
 
 
 def test_refusals_before_queueing():
@@ -211,3 +211,143 @@ def test_forced_and_disabled_speculation():
     batch, _ = s.schedule()
     ks = {r.request_id: r.num_spec_tokens for r in batch.rows}
     assert ks == {"on": 3, "off": 0, "auto": 0}
+
+
+# -- paged KV: admission by blocks, prefix cache hits, preemption --
+
+
+def run_to_end(s: Scheduler, token: int = 7) -> None:
+    for _ in range(200):
+        if not s.has_work:
+            return
+        batch, _ = s.schedule()
+        s.update(batch, fake_step(batch, token))
+    raise AssertionError("requests did not finish")
+
+
+def paged(**kw) -> Scheduler:
+    return scheduler(**({"block_size": 4, "max_model_len": 64, "max_num_batched_tokens": 64} | kw))
+
+
+def test_a_shared_prefix_is_reused_in_whole_blocks_and_reported():
+    s = paged()
+    prefix = list(range(1, 11))  # 10 tokens: two full blocks of 4, then 2
+    a = Request("a", prefix + [50, 51], SamplingParams(max_tokens=3, temperature=0))
+    s.add(a)
+    run_to_end(s)
+    b = Request("b", prefix + [60], SamplingParams(max_tokens=3, temperature=0))
+    s.add(b)
+    batch, _ = s.schedule()
+    (row,) = batch.rows
+    assert row.start_pos == 8 and row.token_ids == [9, 10, 60]  # only the uncached tail is computed
+    assert b.num_cached_tokens == 8 and s.blocks.stats.hits == 8
+    outs = s.update(batch, fake_step(batch))
+    assert outs[0].num_cached_tokens == 8
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_block():
+    s = paged()
+    prompt = list(range(1, 9))  # exactly two blocks
+    s.add(Request("a", prompt, SamplingParams(max_tokens=2, temperature=0)))
+    run_to_end(s)
+    b = Request("b", list(prompt), SamplingParams(max_tokens=2, temperature=0))
+    s.add(b)
+    batch, _ = s.schedule()
+    # The last token's logits are needed, and a hit never shares a block it would write.
+    assert batch.rows[0].start_pos == 4 and b.num_cached_tokens == 4
+    assert b.block_ids[1] != batch.rows[0].block_ids[0]
+
+
+def test_tenants_never_share_cached_blocks():
+    s = paged()
+    prompt = list(range(1, 13))
+    s.add(Request("a", prompt, SamplingParams(max_tokens=2, temperature=0), tenant="team-a"))
+    run_to_end(s)
+    other = Request("b", list(prompt), SamplingParams(max_tokens=2, temperature=0), tenant="team-b")
+    same = Request("c", list(prompt), SamplingParams(max_tokens=2, temperature=0), tenant="team-a")
+    s.add(other)
+    s.schedule()
+    assert other.num_cached_tokens == 0
+    s.add(same)
+    s.schedule()
+    assert same.num_cached_tokens == 8
+
+
+def test_prefix_caching_off_never_hits():
+    s = paged(prefix_caching=False)
+    prompt = list(range(1, 13))
+    s.add(Request("a", prompt, SamplingParams(max_tokens=2, temperature=0)))
+    run_to_end(s)
+    b = Request("b", list(prompt), SamplingParams(max_tokens=2, temperature=0))
+    s.add(b)
+    s.schedule()
+    assert b.num_cached_tokens == 0 and s.blocks.num_cached == 0
+
+
+def test_admission_waits_for_blocks_not_just_for_a_seat():
+    s = paged(max_num_seqs=4, num_kv_blocks=5)  # 20 positions
+    s.add(make("a", prompt_len=12, max_tokens=4))  # 3 blocks for its prompt
+    s.add(make("b", prompt_len=10, max_tokens=4))  # 3 more: does not fit beside a
+    batch, _ = s.schedule()
+    assert [r.request_id for r in batch.rows] == ["a"] and [r.request_id for r in s.waiting] == ["b"]
+    run_to_end(s)
+    assert s.blocks.num_used == 0
+
+
+def test_the_newest_request_is_preempted_when_decoding_runs_out_of_blocks():
+    s = paged(max_num_seqs=2, num_kv_blocks=4)  # 16 positions for two requests of 4 + 8 tokens
+    a, b = make("a", prompt_len=4, max_tokens=8), make("b", prompt_len=4, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    preempted_at = None
+    for step in range(40):
+        batch, _ = s.schedule()
+        if b.num_preemptions and preempted_at is None:
+            preempted_at = step
+            assert b.status.value == "waiting" and s.waiting[0] is b and b.block_ids == []
+            assert b.request_id in batch.finished_ids  # the runner drops its state
+            assert s.queue_state().num_preempted == 1
+        s.update(batch, fake_step(batch))
+        if not s.has_work:
+            break
+    assert preempted_at is not None and a.num_preemptions == 0
+    assert s.num_preemptions >= 1
+    assert len(a.output_ids) == len(b.output_ids) == 8  # nothing lost: b recomputed and finished
+    assert s.blocks.num_used == 0
+
+
+def test_a_preempted_request_recomputes_prompt_and_output_but_the_last_token():
+    s = paged(max_num_seqs=1, prefix_caching=False)
+    r = make("r", prompt_len=6, max_tokens=8)
+    s.add(r)
+    for _ in range(4):
+        batch, _ = s.schedule()
+        s.update(batch, fake_step(batch))
+    s._preempt(r)
+    assert r.num_prefill_tokens == r.num_tokens - 1 and r.is_prefilling
+    batch, _ = s.schedule()
+    (row,) = batch.rows
+    assert row.start_pos == 0 and row.token_ids == r.all_token_ids[:-1] and not row.sample
+    s.update(batch, fake_step(batch))
+    batch, _ = s.schedule()
+    assert batch.rows[0].token_ids == [r.output_ids[-1]] and batch.rows[0].sample
+
+
+def test_drafts_are_trimmed_to_the_blocks_left_never_preempting():
+    s = paged(max_num_seqs=2, num_kv_blocks=3)
+    r = make("r", prompt_len=7, max_tokens=5, speculation=True, num_speculative_tokens=4)
+    s.add(r)
+    batch, _ = s.schedule()
+    s.update(batch, fake_step(batch))
+    other = make("o", prompt_len=4, max_tokens=1)
+    s.add(other)
+    batch, _ = s.schedule()  # r decodes at position 7 (block 2 of 2 is full after it); o takes the last block
+    spec_row = next(row for row in batch.rows if row.request_id == "r")
+    assert spec_row.num_spec_tokens == 0 and s.num_preemptions == 0
+
+
+def test_a_request_larger_than_the_pool_is_refused_naming_it():
+    s = paged(num_kv_blocks=3)  # 12 positions, though max_model_len is 64
+    with pytest.raises(InvalidRequestError, match=r"the KV cache \(3 blocks of 4\) holds 12 tokens") as e:
+        s.add(make("big", prompt_len=8, max_tokens=8))
+    assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import openai
 import pytest
@@ -292,3 +294,23 @@ def test_raw_sse_framing(tiny_server, model):
     events = [e for e in raw.split("\n\n") if e.strip()]
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
+
+
+def test_cached_prompt_tokens_are_reported_in_usage(client, model):
+    """A repeated long prompt hits the prefix cache: OpenAI's usage.prompt_tokens_details.cached_tokens,
+    in whole KV blocks, streamed or not; another cache_salt (tenant) never hits."""
+    system = f"Session {uuid.uuid4().hex}. " + "Answer in one short line and keep to the facts given. " * 4
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    kwargs = dict(model=model, messages=messages, max_tokens=2, temperature=0)
+    cold = client.chat.completions.create(**kwargs).usage
+    assert cold.prompt_tokens_details.cached_tokens == 0
+    warm = client.chat.completions.create(**kwargs).usage
+    cached = warm.prompt_tokens_details.cached_tokens
+    assert 0 < cached < warm.prompt_tokens and cached % 16 == 0  # whole blocks, never the last token
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    other = client.chat.completions.create(**kwargs, extra_body={"cache_salt": "another-tenant"}).usage
+    assert other.prompt_tokens_details.cached_tokens == 0
+    for expected_hit in (False, True):
+        usage = client.completions.create(model=model, prompt=system + "Q:", max_tokens=2).usage
+        assert (usage.prompt_tokens_details.cached_tokens > 0) is expected_hit

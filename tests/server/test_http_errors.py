@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from tests.support.server import finish_server, serve_args, start_server
+
 MESSAGES = [{"role": "user", "content": "Hello"}]
 
 
@@ -177,3 +179,18 @@ def test_engine_fault_mid_stream_is_an_error_event(tiny_server, model):
             pass
     reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3)
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_request_larger_than_the_kv_pool_is_a_400_naming_it(tiny_llama_dir, tmp_path, model):
+    """A pool of 4 blocks of 16 (64 tokens): what cannot fit is refused up front, with the limit."""
+    args = serve_args(model=tiny_llama_dir, dtype="float32", device="cpu", num_kv_blocks=4, max_num_seqs=2)
+    server = start_server(args, tmp_path, "tiny-pool")
+    try:
+        body = {"model": model, "messages": MESSAGES, "max_tokens": 200}
+        error = assert_error(post(server, "/chat/completions", json=body), 400, param="max_tokens")
+        assert "the KV cache (4 blocks of 16) holds 64 tokens" in error["message"]
+        reply = post(server, "/chat/completions", json={"model": model, "messages": MESSAGES})
+        assert reply.status_code == 200  # the default max_tokens fits the pool
+        assert httpx.get(server.base_url + "/models").json()["data"][0]["max_model_len"] == 64
+    finally:
+        finish_server(server)

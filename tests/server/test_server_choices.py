@@ -64,6 +64,16 @@ def test_usage_without_stop_strings_is_the_engine_count(tokenizer):
     assert usage_of([choice], 2).completion_tokens == len(ids)
 
 
+def test_cached_tokens_count_each_prompt_once_however_many_choices_ran_it(tokenizer):
+    req = SimpleNamespace(stop=[], include_stop_str_in_output=False, skip_special_tokens=True)
+    first, second = [1] * 40, [2] * 40
+    choices = [Choice(i, FakeStream(), tokenizer, req, ids) for i, ids in enumerate([first, first, second])]
+    for choice, cached in zip(choices, (32, 0, 16)):  # n=2 of the first prompt: one of them hit
+        choice.update(RequestOutput("r", [5], finished=True, num_output_tokens=1, num_cached_tokens=cached))
+    usage = usage_of(choices, num_prompt_tokens=80)
+    assert usage.prompt_tokens_details.cached_tokens == 32 + 16
+
+
 def test_chunks_repeat_the_response_head_in_openai_field_order():
     head = ResponseHead("cmpl-1", 1700000000, "m", "fp_x")
     encode = chunk_encoder(CompletionResponse, head)

@@ -143,3 +143,15 @@ def test_spec_cap_defaults_to_none_and_is_taken_as_given():
     assert Settings().spec_disable_batch_size is None  # no cap: the cost model decides per request
     assert Settings(spec_disable_batch_size=0).spec_disable_batch_size == 0
     assert Settings(spec_disable_batch_size=5).spec_disable_batch_size == 5
+
+
+def test_kv_cache_memory_takes_bytes_units_or_a_fraction(clean_env):
+    assert load_settings({"kv_cache_memory": "2GiB"}).kv_cache_memory == 2 * 2**30
+    assert load_settings({"kv_cache_memory": "512MB"}).kv_cache_memory == 512e6
+    assert load_settings({"kv_cache_memory": "0.5"}).kv_cache_memory == 0.5
+    with pytest.raises(ValueError):
+        load_settings({"kv_cache_memory": "lots"})
+    with pytest.raises(ValueError):
+        load_settings({"kv_cache_memory": "0"})
+    settings = load_settings()
+    assert (settings.prefix_caching, settings.block_size, settings.num_kv_blocks) == (True, 16, None)

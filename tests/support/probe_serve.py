@@ -41,8 +41,9 @@ def snapshot(state) -> dict:
         waiting=len(scheduler.waiting),
         running=len(scheduler.running),
         aborted=len(scheduler._aborted),
-        free_slots=len(scheduler._free_slots),
-        num_slots=scheduler.config.max_num_seqs,
+        # Every block free (cached or not) once nothing runs: a leak holds a reference.
+        blocks_in_use=scheduler.blocks.num_used,
+        block_references=sum(scheduler.blocks.ref_count),
         policy_states=len(scheduler.policy._state),
         proposer_states=len(getattr(proposer, "_computed", {})),
         kv_usage=scheduler.kv_usage,

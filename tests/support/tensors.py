@@ -27,14 +27,33 @@ def token_counts(histories: list[list[int]], vocab_size: int, device: str = "cpu
 
 
 def packed_forward(
-    model, cache: KVCache, slots: list[int], starts: list[int], token_lists: list[list[int]], keep: list[int]
+    model,
+    cache: KVCache,
+    tables: list[list[int]],
+    starts: list[int],
+    token_lists: list[list[int]],
+    keep: list[int],
 ) -> torch.Tensor:
     """`forward_step` from host lists: row b writes `token_lists[b]` at positions
-    `starts[b]..` of slot `slots[b]`; one upload for everything."""
+    `starts[b]..` of the blocks `tables[b]`; one upload for everything."""
     buf = HostBuffer()
-    plan = LayoutPlan.build(slots, starts, [len(t) for t in token_lists])
+    plan = LayoutPlan.build(tables, starts, [len(t) for t in token_lists], cache.block_size)
     plan.add_to(buf, "layout")
     buf.ints("input_ids", [t for tokens in token_lists for t in tokens])
     buf.ints("keep", keep)
     arrays = buf.upload(cache.keys[0].device)
     return forward_step(model, cache, plan.resolve(arrays, "layout"), arrays["input_ids"], arrays["keep"])
+
+
+def slot_table(slot: int, num_slots: int, num_blocks: int) -> list[int]:
+    """A block table as if the pool were cut into `num_slots` sequences, interleaved:
+    row `slot` gets blocks slot, slot + num_slots, ..., never two adjacent ones, so
+    attention reads it through the gather path."""
+    return [slot + num_slots * j for j in range(num_blocks)]
+
+
+def read_kv(cache: KVCache, layer: int, table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values `[KVH, num_tokens, D]` of positions 0..num_tokens-1 through a block table."""
+    size = cache.block_size
+    rows = torch.tensor([table[p // size] * size + p % size for p in range(num_tokens)])
+    return cache.keys[layer][:, rows], cache.values[layer][:, rows]
