@@ -148,6 +148,7 @@ class RequestResult:
     num_accepted: int = 0  # usage.completion_tokens_details
     num_rejected: int = 0
     finish_reason: str | None = None
+    text: str = ""  # the reply (a multi-turn client sends it back)
 
 
 def request_body(model: str, prompt: Prompt, mode: str, max_tokens: int) -> dict:
@@ -201,6 +202,7 @@ def on_chunk(chunk: dict, now: float, result: RequestResult) -> None:
     usage = chunk.get("usage")
     for choice in chunk.get("choices") or []:
         result.finish_reason = choice.get("finish_reason") or result.finish_reason
+        result.text += (choice.get("delta") or {}).get("content") or ""
     if chunk.get("choices"):
         if usage:
             num_new = usage["completion_tokens"] - result.num_output_tokens

@@ -6,7 +6,8 @@ Rows are built by hand (no scheduler), so each case is exactly the shape it
 names; KV content is whatever the cache holds, which does not change the cost.
 Every ratio is against a case measured in the same run:
 
-- batch 8 decode on slots 0..7 (in order) vs on 8 scattered slots (after churn);
+- decode on each row's own run of blocks vs on blocks scattered over the pool
+  (batch 1: a view of the pool vs a gather; batch 8: a gather either way);
 - one 512-token prefill chunk + 7 decode rows vs the two parts run alone;
 - a verify of 1 + 10 tokens vs transformers' own forward of 11 tokens over the
   same context (a `DynamicCache`, as `generate()` uses).
@@ -32,9 +33,11 @@ from models.loader import LoadedModel
 from models.runner import ModelRunner, RunnerConfig
 from models.transfer import TransferCounter
 from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
+from tests.support.tensors import slot_table
 
 NUM_SLOTS = 16
 MAX_LEN = 2048
+BLOCK_SIZE = 16
 
 
 @dataclass
@@ -43,7 +46,7 @@ class StepCase:
     rows: list[ScheduledRow]
 
 
-def _request(rid: str, context: int, slot: int, vocab: int, prediction: int = 0) -> Request:
+def _request(rid: str, context: int, slot: int, vocab: int, prediction: int = 0, consecutive: bool = False) -> Request:
     g = torch.Generator().manual_seed(hash(rid) % 2**31)
     ids = torch.randint(10, vocab - 10, (context + 1 + prediction,), generator=g).tolist()
     request = Request(
@@ -52,13 +55,21 @@ def _request(rid: str, context: int, slot: int, vocab: int, prediction: int = 0)
         SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, speculation=True),
         prediction_ids=ids[context : context + 1 + prediction] if prediction else None,
     )
-    request.status, request.slot = RequestStatus.RUNNING, slot
+    # Sequence `slot` of the pool cut into NUM_SLOTS: its own run of blocks, or every NUM_SLOTS-th block.
+    per_slot = MAX_LEN // BLOCK_SIZE
+    table = (
+        list(range(slot * per_slot, (slot + 1) * per_slot)) if consecutive else slot_table(slot, NUM_SLOTS, per_slot)
+    )
+    request.status, request.block_ids = RequestStatus.RUNNING, table
     return request
 
 
-def decode_row(rid: str, context: int, slot: int, vocab: int, drafts: int = 0) -> ScheduledRow:
-    """A row past its prompt: one new token at position `context`, plus `drafts` verify tokens."""
-    request = _request(rid, context, slot, vocab, prediction=drafts)
+def decode_row(
+    rid: str, context: int, slot: int, vocab: int, drafts: int = 0, consecutive: bool = False
+) -> ScheduledRow:
+    """A row past its prompt: one new token at position `context`, plus `drafts` verify tokens.
+    Its blocks are scattered over the pool unless `consecutive`."""
+    request = _request(rid, context, slot, vocab, prediction=drafts, consecutive=consecutive)
     last = request.prediction_ids[0] if drafts else 11
     request.output_ids = [last]
     request.num_computed_tokens = context
@@ -133,15 +144,16 @@ def step_section(target: LoadedModel, dtype: str, repeats: int = 7) -> tuple[str
     runner = build_runner(target, RunnerConfig(max_num_seqs=NUM_SLOTS, max_model_len=MAX_LEN), ProposerConfig("ngram"))
     vocab = target.vocab_size
     ctx = 300
-    decode8_in_order = [decode_row(f"o{i}", ctx, i, vocab) for i in range(8)]
-    decode8_churned = [decode_row(f"c{i}", ctx, s, vocab) for i, s in enumerate([13, 2, 9, 4, 15, 6, 11, 0])]
+    decode8_consecutive = [decode_row(f"o{i}", ctx, i, vocab, consecutive=True) for i in range(8)]
+    decode8_scattered = [decode_row(f"c{i}", ctx, s, vocab) for i, s in enumerate([13, 2, 9, 4, 15, 6, 11, 0])]
     prefill = prefill_row("p", 512, 8, vocab)
     decode7 = [decode_row(f"m{i}", ctx, i, vocab) for i in range(7)]
     cases = [
-        ("batch 1 decode (300 ctx)", [decode_row("d", ctx, 0, vocab)]),
+        ("batch 1 decode (300 ctx)", [decode_row("d", ctx, 0, vocab, consecutive=True)]),
+        ("batch 1 decode, scattered blocks", [decode_row("s", ctx, 0, vocab)]),
         ("batch 1 verify 1+10 (300 ctx)", [decode_row("v", ctx, 0, vocab, drafts=10)]),
-        ("batch 8 decode, slots in order", decode8_in_order),
-        ("batch 8 decode, slots after churn", decode8_churned),
+        ("batch 8 decode, consecutive blocks", decode8_consecutive),
+        ("batch 8 decode, scattered blocks", decode8_scattered),
         ("512-token prefill chunk alone", [prefill]),
         ("7 decode rows alone", decode7),
         ("512 prefill + 7 decode rows", decode7 + [prefill]),
@@ -163,8 +175,13 @@ def step_section(target: LoadedModel, dtype: str, repeats: int = 7) -> tuple[str
     ms = {name: s for name, (s, _, _) in measured.items()}
     ratios = [
         [
-            "churned / in-order (batch 8)",
-            ms["batch 8 decode, slots after churn"] / ms["batch 8 decode, slots in order"],
+            "scattered / consecutive blocks (batch 1: gather / view)",
+            ms["batch 1 decode, scattered blocks"] / ms["batch 1 decode (300 ctx)"],
+            "-",
+        ],
+        [
+            "scattered / consecutive blocks (batch 8: both gather)",
+            ms["batch 8 decode, scattered blocks"] / ms["batch 8 decode, consecutive blocks"],
             "<= 1.05",
         ],
         [
@@ -179,7 +196,7 @@ def step_section(target: LoadedModel, dtype: str, repeats: int = 7) -> tuple[str
     for name, value, _goal in ratios:
         records.append({"dtype": dtype, "ratio": name, "value": value})
     text = (
-        f"### Step time ({dtype}, {NUM_SLOTS} slots x {MAX_LEN} tokens, median of {repeats})\n\n"
+        f"### Step time ({dtype}, a pool of {NUM_SLOTS} x {MAX_LEN} tokens, median of {repeats})\n\n"
         + table(["case", "ms / step", "host transfers", "device syncs (CUDA)"], rows)
         + "\n\n"
         + table(["ratio", "value", "goal"], ratios)
