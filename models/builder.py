@@ -9,20 +9,22 @@ from models.draft_model import DraftModelProposer
 from models.loader import LoadedModel, ModelConfig, check_draft_compatible, load_model
 from models.proposers import NgramProposer, Proposer
 from models.runner import ModelRunner, RunnerConfig
+from models.suffix import SuffixConfig, SuffixProposer
 
 logger = logging.getLogger("specd.models")
 
-PROPOSERS = ("ngram", "draft_model", "none")
+PROPOSERS = ("ngram", "suffix", "draft_model", "none")
 
 
 @dataclass
 class ProposerConfig:
-    """`method` "ngram" (default without a draft model), "draft_model", or "none"."""
+    """`method` "ngram" (default without a draft model), "suffix", "draft_model", or "none"."""
 
     method: str | None = None  # None: draft_model if `draft_model` is set, else ngram
     draft_model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
+    suffix_cache_requests: int = SuffixConfig.cache_requests  # 0: per-request trees only
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -48,6 +50,8 @@ def build_runner(
     draft: Proposer | DraftModelProposer | None = None
     if proposer.method == "ngram":
         draft = NgramProposer(proposer.ngram_min, proposer.ngram_max)
+    elif proposer.method == "suffix":
+        draft = SuffixProposer(SuffixConfig(cache_requests=proposer.suffix_cache_requests))
     elif proposer.method == "draft_model":
         draft_cfg = ModelConfig(
             model=str(proposer.draft_model),

@@ -83,11 +83,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "specd_requests_waiting": ("gauge", ()),
     "specd_kv_cache_usage_ratio": ("gauge", ()),
     "specd_spec_enabled": ("gauge", ()),
+    "specd_suffix_cache_nodes": ("gauge", ()),
 }
 
 PHASES = ("prefill", "draft", "verify", "decode")
 MODES = ("spec", "plain")
-SPEC_METHODS = ("ngram", "draft_model", "prediction")
+SPEC_METHODS = ("ngram", "suffix", "draft_model", "prediction")
 
 
 class MetricsObserver:
@@ -171,6 +172,10 @@ class MetricsObserver:
         self._waiting = gauge("specd_requests_waiting", "Requests waiting for admission.")
         self._kv_usage = gauge("specd_kv_cache_usage_ratio", "Used / total KV cache capacity.")
         self._spec_enabled = gauge("specd_spec_enabled", "1 while the last engine step speculated.")
+        self._suffix_nodes = gauge(
+            "specd_suffix_cache_nodes",
+            "Nodes and leaves of the suffix proposer's trees over finished outputs (its memory; ~100 B each).",
+        )
 
     def _init_series(self, spec_methods: Iterable[str], num_speculative_tokens: int) -> None:
         model = self.model_name
@@ -191,7 +196,7 @@ class MetricsObserver:
         for hist in (self._ttft, self._itl_token, self._itl_chunk, self._tpot, self._e2e,
                      self._queue, self._batch_size, self._prediction_ratio):  # fmt: skip
             hist.labels(model)
-        for gauge in (self._running, self._waiting, self._kv_usage, self._spec_enabled):
+        for gauge in (self._running, self._waiting, self._kv_usage, self._spec_enabled, self._suffix_nodes):
             gauge.labels(model).set(0)
 
     # -- recording --
@@ -201,6 +206,8 @@ class MetricsObserver:
         model = self.model_name
         self._steps.labels(model, stats.mode).inc()
         self._spec_enabled.labels(model).set(1 if stats.mode == "spec" else 0)
+        if stats.suffix_cache_nodes is not None:
+            self._suffix_nodes.labels(model).set(stats.suffix_cache_nodes)
         self.set_queue_state(stats.num_running, stats.num_waiting, stats.kv_usage)
         if stats.batch_size > 0:
             self._batch_size.labels(model).observe(stats.batch_size)

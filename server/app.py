@@ -74,7 +74,11 @@ def build_components(settings: Settings) -> Components:
             max_model_len=max_model_len,
             enable_fault_injection=settings.enable_fault_injection,
         ),
-        ProposerConfig(method=settings.draft, draft_model=settings.draft_model),
+        ProposerConfig(
+            method=settings.draft,
+            draft_model=settings.draft_model,
+            suffix_cache_requests=settings.suffix_cache_requests if settings.suffix_global == "on" else 0,
+        ),
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=settings.max_num_seqs,
