@@ -5,6 +5,7 @@
     python -m benchmarks.serve_bench --concurrency '' --request-rate 0.5,1,2   # Poisson arrivals instead
     python -m benchmarks.serve_bench --base-url http://127.0.0.1:8000          # a specd already running
     python -m benchmarks.serve_bench --modes off --peer transformers           # plain decoding vs a peer server
+    python -m benchmarks.serve_bench --draft suffix --passes 2 --prompt-sets agent   # a cold then a warm pass
 
 One specd process serves every mode: each request picks its mode with the
 `speculation` field (off: false, on: true, auto: field left out, so the
@@ -413,7 +414,7 @@ async def benchmark(base_url: str, args: argparse.Namespace, prompts: list[Promp
         for mode in args.modes if args.warmup else []:  # warm-up, not measured
             await drive(client, model, prompts, mode, Load("concurrency", 1, args.warmup), args)
         runs: list[dict] = []
-        for load in plan(args):
+        for load in [load for _ in range(args.passes) for load in plan(args)]:
             pooled = {mode: ([], [0.0], Counter()) for mode in args.modes}  # results, seconds, counter deltas
             for mode in rotated_modes(args.modes, args.repeats):
                 try:  # until nothing runs or waits: aborted requests leave at the next step
@@ -428,8 +429,9 @@ async def benchmark(base_url: str, args: argparse.Namespace, prompts: list[Promp
                 pooled[mode][0].extend(results)
                 pooled[mode][1][0] += seconds
                 pooled[mode][2].update({key: after[key] - before.get(key, 0.0) for key in after})
+            served = sum(run["mode"] == args.modes[0] and run["load"] == load.value for run in runs)
             for mode, (results, seconds, delta) in pooled.items():
-                runs.append(summarize(mode, load, results, seconds[0], delta, args))
+                runs.append(summarize(mode, load, results, seconds[0], delta, args) | {"pass": served + 1})
                 print(progress_line(runs[-1]), file=sys.stderr, flush=True)
             write_report(args.out_dir, meta, runs)
         return runs
@@ -439,7 +441,8 @@ async def benchmark(base_url: str, args: argparse.Namespace, prompts: list[Promp
 
 
 def load_label(run: dict) -> str:
-    return f"c={run['load']}" if run["load_kind"] == "concurrency" else f"{run['load']} req/s"
+    label = f"c={run['load']}" if run["load_kind"] == "concurrency" else f"{run['load']} req/s"
+    return label + (f" pass {run['pass']}" if run.get("pass", 1) > 1 else "")
 
 
 def fmt(value, digits: int = 1) -> str:
@@ -607,7 +610,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--ready-timeout", type=float, default=300, help="seconds to wait for /ready [300]")
     g = p.add_argument_group("server started by the benchmark (ignored with --base-url)")
     g.add_argument("--model", help="target model (default: specd's, the bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", choices=("ngram", "draft_model", "none"), help="proposer [specd's default]")
+    g.add_argument("--draft", choices=("ngram", "suffix", "draft_model", "none"), help="proposer [specd's default]")
     g.add_argument("--draft-model", help="draft model directory or Hub id")
     g.add_argument("--num-speculative-tokens", type=int, help="K [specd's default]")
     g.add_argument("--spec-disable-batch-size", type=int, help="auto rows stop drafting above this batch [specd's]")
@@ -650,6 +653,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="run each load this many times, modes interleaved in rotating order, and pool the results [1]",
+    )
+    g.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="serve every load this many times on the same server (later passes see what a cache of "
+        "earlier outputs, such as --draft suffix's, learned) [1]",
     )
     g.add_argument("--warmup", type=int, default=2, help="unmeasured requests per mode before the runs [2]")
     g.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals [0]")

@@ -13,21 +13,23 @@ from models.kv_cache import KVCache
 from models.loader import LoadedModel, ModelConfig, check_draft_compatible, load_model
 from models.proposers import NgramProposer, Proposer
 from models.runner import ModelRunner, RunnerConfig
+from models.suffix import SuffixConfig, SuffixProposer
 from scheduler.kv_blocks import blocks_for
 
 logger = logging.getLogger("specd.models")
 
-PROPOSERS = ("ngram", "draft_model", "none")
+PROPOSERS = ("ngram", "suffix", "draft_model", "none")
 
 
 @dataclass
 class ProposerConfig:
-    """`method` "ngram" (default without a draft model), "draft_model", or "none"."""
+    """`method` "ngram" (default without a draft model), "suffix", "draft_model", or "none"."""
 
     method: str | None = None  # None: draft_model if `draft_model` is set, else ngram
     draft_model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
+    suffix_cache_requests: int = SuffixConfig.cache_requests  # 0: per-request trees only
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -64,6 +66,8 @@ def build_runner(
     runner.num_kv_blocks = num_kv_blocks(runner, target, loaded_draft)
     if proposer.method == "ngram":
         draft = NgramProposer(proposer.ngram_min, proposer.ngram_max)
+    elif proposer.method == "suffix":
+        draft = SuffixProposer(SuffixConfig(cache_requests=proposer.suffix_cache_requests))
     elif loaded_draft is not None:
         draft = DraftModelProposer(loaded_draft, runner.num_kv_blocks, runner.block_size, target.vocab_size)
     return ModelRunner(target, runner, draft)

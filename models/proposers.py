@@ -1,4 +1,5 @@
-"""Draft proposers: n-gram prompt lookup, Predicted Outputs, and a draft model.
+"""Draft proposers: n-gram prompt lookup, Predicted Outputs, and a draft model
+(suffix decoding is in `models.suffix`).
 
 All speak one small interface: given the rows that speculate this step and
 how many tokens each may draft, return a `Draft` per row (possibly shorter,
@@ -20,6 +21,9 @@ class Draft:
     token_ids: list[int]
     method: str
     probs: torch.Tensor | None = None  # [k, vocab] draft distribution q; None = one-hot
+    # Model-free proposers that estimate it: each token's probability given the draft before it
+    # (for the policy's expected gain; the rejection sampler still sees one-hot q).
+    token_probs: list[float] | None = None
 
 
 class Proposer(Protocol):

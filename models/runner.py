@@ -41,8 +41,9 @@ from models.sampling import (
     sample_from_probs,
     uniform_noise,
 )
+from models.suffix import SuffixProposer
 from models.transfer import DeviceArrays, HostBuffer, download
-from scheduler.types import Batch, RowOutput, ScheduledRow, StepOutput
+from scheduler.types import Batch, Request, RowOutput, ScheduledRow, StepOutput
 
 logger = logging.getLogger("specd.models")
 
@@ -152,7 +153,22 @@ class ModelRunner:
         logits = self._forward(plan, arrays, device_draft)
         outputs = self._sample(plan, arrays, logits, device_draft) if plan.sample_rows else {}
         clock.lap(_forward_phase(plan))
-        return self._step_output(plan, outputs, clock.phases)
+        output = self._step_output(plan, outputs, clock.phases)
+        if isinstance(self.proposer, SuffixProposer):
+            output.suffix_cache_nodes = self.proposer.num_cache_nodes
+        return output
+
+    def preview_drafts(self, requests: list[Request], num_tokens: list[int]) -> list[list[float]]:
+        """Per-token probabilities of the drafts the proposer would make now, for the policy to
+        price (proposers that give them); the proposer keeps each draft for the step that follows."""
+        if not isinstance(self.proposer, SuffixProposer):
+            return [[] for _ in requests]
+        try:
+            drafts = self.proposer.propose(requests, num_tokens)
+        except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
+            logger.exception("suffix proposer failed while the step was planned; these rows plan no draft")
+            return [[] for _ in requests]
+        return [draft.token_probs or [] for draft in drafts]
 
     def _prepare_and_draft(self, rows: list[ScheduledRow]) -> tuple[StepPlan, DeviceArrays, DeviceDraft | None]:
         """Host drafts and the one upload, then the draft model's device drafts (if any).

@@ -57,7 +57,9 @@ class AsyncEngine:
         thread built the model and no HTTP needs serving meanwhile."""
         self.executor = executor
         self.config = config
-        self.scheduler = Scheduler(config, proposer=executor.proposer_name)
+        # A runner whose proposer prices its drafts lets the policy see them while it plans.
+        preview = getattr(executor, "preview_drafts", None)
+        self.scheduler = Scheduler(config, proposer=executor.proposer_name, preview=preview)
         self.recorder = StepRecorder(self.scheduler, observer)
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()

@@ -93,11 +93,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "specd_kv_blocks_used": ("gauge", ()),
     "specd_kv_blocks_capacity": ("gauge", ()),
     "specd_spec_enabled": ("gauge", ()),
+    "specd_suffix_cache_nodes": ("gauge", ()),
 }
 
 PHASES = ("prefill", "draft", "verify", "decode")
 MODES = ("spec", "plain")
-SPEC_METHODS = ("ngram", "draft_model", "prediction")
+SPEC_METHODS = ("ngram", "suffix", "draft_model", "prediction")
 
 
 class MetricsObserver:
@@ -191,6 +192,10 @@ class MetricsObserver:
         self._kv_blocks_used = gauge("specd_kv_blocks_used", "KV blocks held by requests.")
         self._kv_blocks_total = gauge("specd_kv_blocks_capacity", "KV blocks in the pool.")
         self._spec_enabled = gauge("specd_spec_enabled", "1 while the last engine step speculated.")
+        self._suffix_nodes = gauge(
+            "specd_suffix_cache_nodes",
+            "Nodes and leaves of the suffix proposer's trees over finished outputs (its memory; ~100 B each).",
+        )
 
     def _init_series(self, spec_methods: Iterable[str], num_speculative_tokens: int) -> None:
         model = self.model_name
@@ -213,7 +218,7 @@ class MetricsObserver:
                      self._queue, self._batch_size, self._prediction_ratio):  # fmt: skip
             hist.labels(model)
         for gauge in (self._running, self._waiting, self._preempted, self._kv_usage, self._kv_blocks_used,
-                      self._kv_blocks_total, self._spec_enabled):  # fmt: skip
+                      self._kv_blocks_total, self._spec_enabled, self._suffix_nodes):  # fmt: skip
             gauge.labels(model).set(0)
 
     # -- recording --
@@ -223,6 +228,8 @@ class MetricsObserver:
         model = self.model_name
         self._steps.labels(model, stats.mode).inc()
         self._spec_enabled.labels(model).set(1 if stats.mode == "spec" else 0)
+        if stats.suffix_cache_nodes is not None:
+            self._suffix_nodes.labels(model).set(stats.suffix_cache_nodes)
         self.set_queue_state(stats.queue)
         self._cache_queries.labels(model).inc(stats.prefix_cache_queries)
         self._cache_hits.labels(model).inc(stats.prefix_cache_hits)

@@ -30,6 +30,12 @@ Rule (documented in README, "How `auto` decides"):
 * The plain step is only known if the model saw one of about this size
   lately; while it speculates every step it does not, so when none was seen
   and speculation's edge is under 2x, one step runs plain to measure it.
+* A proposer that prices its own drafts (suffix decoding: each token's
+  frequency among the continuations it has seen) is asked for the row's draft
+  while the step is planned (`preview`), and g_k is the product of those
+  probabilities, each mapped through an online calibration (acceptance
+  observed per probability bucket, decayed), since frequency is not
+  acceptance. The per-position estimates above stay for the other proposers.
 * A row that does not draft still learns: a model-free proposer (n-gram,
   Predicted Outputs) makes a *shadow* draft for it, which the row's next
   emitted tokens confirm or refute at no verify cost, so acceptance that
@@ -42,12 +48,19 @@ Rule (documented in README, "How `auto` decides"):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.types import MAX_SPEC_TOKENS, Request
 
-MODEL_FREE_PROPOSERS = ("ngram", "prediction")
+MODEL_FREE_PROPOSERS = ("ngram", "prediction", "suffix")
+PRICED_PROPOSERS = ("suffix",)  # their drafts carry per-token probabilities
+# Per-token probabilities of the drafts the proposer would make now for these requests (at most
+# k tokens each): the runner's answer to the policy while it plans a step.
+Preview = Callable[[list[Request], list[int]], list[list[float]]]
+# Probability buckets of the calibration: upper edges.
+CALIBRATION_EDGES = (0.2, 0.4, 0.6, 0.8, 0.95, 1.0)
 NO_PREFILL = StepShape(0)  # a step of decode rows only
 # A verify step is compared with a plain step of the same rows, whose cost the
 # model only knows if it saw such steps: while it speculates every step it does
@@ -103,10 +116,53 @@ class PositionCounts:
 
 
 @dataclass
+class ProbabilityCalibration:
+    """Acceptance of draft tokens by the probability their proposer gave them.
+
+    Per bucket of the proposer's conditional probability p, decayed counts of
+    draft tokens reached (every earlier one accepted) and accepted; the
+    calibrated rate is their ratio shrunk toward p itself with a weight of
+    `prior_weight` tokens, so it starts as the proposer's own estimate.
+    """
+
+    keep: float = 0.995  # per verified draft
+    prior_weight: float = 4.0
+    reached: list[float] = field(default_factory=lambda: [0.0] * len(CALIBRATION_EDGES))
+    accepted: list[float] = field(default_factory=lambda: [0.0] * len(CALIBRATION_EDGES))
+
+    @staticmethod
+    def bucket(p: float) -> int:
+        return next((b for b, edge in enumerate(CALIBRATION_EDGES) if p <= edge), len(CALIBRATION_EDGES) - 1)
+
+    def add(self, probs: list[float], num_accepted: int) -> None:
+        """A verified (or shadow) draft whose tokens had `probs`, of which `num_accepted` were accepted."""
+        for b in range(len(CALIBRATION_EDGES)):
+            self.reached[b] *= self.keep
+            self.accepted[b] *= self.keep
+        for j, p in enumerate(probs[: num_accepted + 1]):
+            b = self.bucket(p)
+            self.reached[b] += 1.0
+            self.accepted[b] += j < num_accepted
+
+    def rate(self, p: float) -> float:
+        b = self.bucket(p)
+        return (self.accepted[b] + self.prior_weight * p) / (self.reached[b] + self.prior_weight)
+
+    def summary(self) -> dict[str, float]:
+        """Observed acceptance per probability bucket (those with data), keyed by the bucket's upper edge."""
+        return {
+            f"{edge:g}": round(self.accepted[b] / self.reached[b], 3)
+            for b, edge in enumerate(CALIBRATION_EDGES)
+            if self.reached[b] >= 1.0
+        }
+
+
+@dataclass
 class Shadow:
     """A draft the row did not verify: its next emitted tokens grade it."""
 
     token_ids: list[int]
+    probs: list[float] = field(default_factory=list)  # the proposer's, when it gives them
     matched: int = 0
 
 
@@ -117,6 +173,7 @@ class AcceptanceState:
     plain_steps: int = 0
     probe_backoff: int = 0
     shadow: Shadow | None = None
+    draft_probs: list[float] = field(default_factory=list)  # this step's previewed draft, if priced
 
 
 @dataclass
@@ -168,6 +225,8 @@ class SpecPolicy:
     proposer: str  # the engine's proposer method: "ngram", "draft_model" or "none"
     cost: StepCostModel = field(default_factory=StepCostModel)
     tokens: TokenCalibration = field(default_factory=TokenCalibration)
+    preview: Preview | None = None  # set when the proposer prices its drafts
+    calibration: ProbabilityCalibration = field(default_factory=ProbabilityCalibration)
     _state: dict[str, AcceptanceState] = field(default_factory=dict)
     _recent: dict[str, PositionCounts] = field(default_factory=dict)  # by proposer method
     num_explored: int = 0  # steps run plain to measure a plain step's cost
@@ -209,6 +268,7 @@ class SpecPolicy:
         auto_allowed = self.config.auto_allowed(num_rows if num_running is None else num_running)
         candidates: list[tuple[float, int]] = []  # (gain, row)
         auto_rows = []
+        priced: list[int] = []
         for i, request in enumerate(requests):
             mode, k_max = request.params.speculation, k_maxes[i]
             if k_max == 0 or mode is False or self.method_of(request) is None:
@@ -222,10 +282,14 @@ class SpecPolicy:
             if not auto_allowed:
                 continue
             auto_rows.append(i)
+            if self.preview is not None and self.method_of(request) in PRICED_PROPOSERS:
+                priced.append(i)
+                continue
             gain = 1.0
             for rate in self._conditional_rates(request, k_max):
                 gain *= rate  # P(draft j+1 accepted) = product of the conditional rates up to it
                 candidates.append((gain, i))
+        candidates += self._priced_candidates(requests, priced, k_maxes)
         budget -= sum(ks)  # forced rows spend the budget first
         if budget < 0:
             ks = _shrink(ks, -budget)
@@ -236,6 +300,22 @@ class SpecPolicy:
                 ks[i] = 1
                 budget -= 1
         return ks, plan
+
+    def _priced_candidates(
+        self, requests: list[Request], rows: list[int], k_maxes: list[int]
+    ) -> list[tuple[float, int]]:
+        """Gains of the previewed drafts' positions: products of the calibrated token probabilities."""
+        if not rows or self.preview is None:
+            return []
+        previews = self.preview([requests[i] for i in rows], [k_maxes[i] for i in rows])
+        candidates = []
+        for i, probs in zip(rows, previews):
+            self._state_for(requests[i]).draft_probs = probs
+            gain = 1.0
+            for p in probs:
+                gain *= self.calibration.rate(p)
+                candidates.append((gain, i))
+        return candidates
 
     def _choose(self, requests, candidates, ks, budget, prefill: StepShape) -> tuple[StepPlan, int]:
         """Greedy by decreasing gain while a token raises the decode rows' tokens per second.
@@ -315,11 +395,15 @@ class SpecPolicy:
         return 0 if state.shadow is not None else self.k_max(request)
 
     # -- learning --
-    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """Record a verify step of `request` (drafts it actually carried), or a graded shadow."""
+    def observe(self, request: Request, num_drafted: int, num_accepted: int, probs: list[float] | None = None) -> None:
+        """Record a verify step of `request` (drafts it actually carried), or a graded shadow
+        (`probs`: the shadow's token probabilities; a verify step's are the step's preview)."""
         if num_drafted == 0:
             return
         state = self._state_for(request)
+        priced = state.draft_probs if probs is None else probs
+        if priced:
+            self.calibration.add(priced[:num_drafted], num_accepted)
         state.counts.add(num_drafted, num_accepted, self.config.decay)
         method = self.method_of(request)
         if method is not None:
@@ -332,7 +416,7 @@ class SpecPolicy:
         """Grade the row's pending shadow draft (starting `draft_ids` if none) with its emitted tokens."""
         state = self._state_for(request)
         if state.shadow is None and draft_ids:
-            state.shadow = Shadow(list(draft_ids))
+            state.shadow = Shadow(list(draft_ids), state.draft_probs[: len(draft_ids)])
         shadow = state.shadow
         for token in emitted:
             if shadow is None:
@@ -342,7 +426,7 @@ class SpecPolicy:
                 if shadow.matched < len(shadow.token_ids):
                     continue
             state.shadow = None
-            self.observe(request, len(shadow.token_ids), shadow.matched)
+            self.observe(request, len(shadow.token_ids), shadow.matched, shadow.probs)
             shadow = None
 
     def observe_step(self, shape: StepShape, seconds: float, plan: StepPlan | None, emitted: int) -> None:
@@ -405,6 +489,7 @@ class SpecPolicy:
                 for method, counts in self._recent.items()
                 if counts.reached[0] > 0
             },
+            "acceptance_by_draft_probability": self.calibration.summary(),
         }
 
 

@@ -116,6 +116,7 @@ class StepRecorder:
         stats.spec = spec
         stats.accepted_per_position = output.accepted_per_position
         stats.phase_seconds = output.phase_seconds
+        stats.suffix_cache_nodes = output.suffix_cache_nodes
         check = self.scheduler.last_check
         if check is not None:
             stats.predicted_seconds = check.predicted_seconds

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from scheduler.cost_model import StepShape
 from scheduler.kv_blocks import BlockPool, block_key, blocks_for
-from scheduler.policy import SpecConfig, SpecPolicy, StepPlan
+from scheduler.policy import Preview, SpecConfig, SpecPolicy, StepPlan
 from scheduler.types import (
     Batch,
     FinishReason,
@@ -86,11 +86,12 @@ class StepCheck:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, proposer: str = "ngram"):
-        """`proposer`: the runner's proposer method ("ngram", "draft_model" or "none")."""
+    def __init__(self, config: SchedulerConfig, proposer: str = "ngram", preview: Preview | None = None):
+        """`proposer`: the runner's proposer method ("ngram", "suffix", "draft_model" or "none");
+        `preview`: the runner's priced drafts, for a proposer that gives them (see SpecPolicy)."""
         self.config = config
         self.proposer = proposer
-        self.policy = SpecPolicy(config.spec, proposer)
+        self.policy = SpecPolicy(config.spec, proposer, preview=preview)
         self.last_plan: StepPlan | None = None
         self.last_check: StepCheck | None = None
         self.waiting: deque[Request] = deque()
@@ -150,7 +151,9 @@ class Scheduler:
     # -- state --
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._aborted)
+        # Finished ids count: the runner frees their state (a suffix proposer caches their outputs)
+        # on the next step, which must not wait for the next request to arrive.
+        return bool(self.waiting or self.running or self._aborted or self._finished_ids)
 
     @property
     def kv_usage(self) -> float:

@@ -254,6 +254,8 @@ class StepOutput:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     # accepted_per_position[i]: rows whose draft token i+1 was accepted.
     accepted_per_position: list[int] = field(default_factory=list)
+    # Nodes and leaves of the suffix proposer's cross-request trees (None: another proposer).
+    suffix_cache_nodes: int | None = None
 
 
 @dataclass
@@ -333,6 +335,7 @@ class StepStats:
     # accepted_per_position[i]: rows whose draft token i+1 was accepted.
     accepted_per_position: list[int] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    suffix_cache_nodes: int | None = None  # see StepOutput
     # The policy's plan for the step, checked against what it did: seconds the
     # cost model predicted (None before it has data) and tokens the decode rows
     # were expected to emit; and what they emitted.

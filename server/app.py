@@ -77,7 +77,11 @@ def build_components(settings: Settings) -> Components:
             kv_cache_memory=settings.kv_cache_memory,
             enable_fault_injection=settings.enable_fault_injection,
         ),
-        ProposerConfig(method=settings.draft, draft_model=settings.draft_model),
+        ProposerConfig(
+            method=settings.draft,
+            draft_model=settings.draft_model,
+            suffix_cache_requests=settings.suffix_cache_requests if settings.suffix_global == "on" else 0,
+        ),
     )
     config = runner.config
     assert config.num_kv_blocks is not None

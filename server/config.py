@@ -81,9 +81,10 @@ class Settings(BaseSettings):
     trust_remote_code: bool = Field(False, description="Allow model code from the Hub repository to run.")
 
     # -- speculation --
-    draft: Literal["ngram", "draft_model", "none"] | None = Field(
+    draft: Literal["ngram", "suffix", "draft_model", "none"] | None = Field(
         None,
-        description="Proposer: ngram (prompt lookup), draft_model, or none "
+        description="Proposer: ngram (prompt lookup), suffix (suffix decoding: drafts from this request and "
+        "earlier outputs of its tenant, priced by frequency), draft_model, or none "
         "(default: draft_model if --draft-model, else ngram).",
     )
     draft_model: str | None = Field(
@@ -102,6 +103,17 @@ class Settings(BaseSettings):
         ge=0,
         description="Operator's hard cap: requests with speculation 'auto' stop drafting while more than N run; "
         "0 disables auto speculation. Default: no cap, the cost model decides per request and step.",
+    )
+    suffix_cache_requests: int = Field(
+        256,
+        ge=0,
+        description="--draft suffix: finished outputs kept to draft from, all tenants together; over it the oldest "
+        "output of the tenant holding the most goes. Memory: see specd_suffix_cache_nodes (~100 B each).",
+    )
+    suffix_global: Literal["on", "off"] = Field(
+        "on",
+        description="--draft suffix: also draft from earlier outputs of the same tenant (the request's cache_salt, "
+        "else its user; one tenant's outputs never reach another's drafts); off: each request's own tokens only.",
     )
     spec_adaptive: bool = Field(True, description="Adapt each request's draft length to its own acceptance history.")
 

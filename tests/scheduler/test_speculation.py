@@ -55,11 +55,11 @@ def requests(tokenizer, tag, speculation, n=32, predictions=None, **params):
     return out
 
 
-@pytest.fixture(params=["ngram", "draft_weak", "draft_self"])
+@pytest.fixture(params=["ngram", "suffix", "draft_weak", "draft_self"])
 def proposer(request, tiny_llama_dir, tiny_draft_dir):
-    """ngram; a 1-layer draft (mostly rejected); the target as its own draft (always accepted)."""
-    if request.param == "ngram":
-        return runner_for(tiny_llama_dir, "ngram")
+    """ngram; suffix decoding; a 1-layer draft (mostly rejected); the target as its own draft (always accepted)."""
+    if request.param in ("ngram", "suffix"):
+        return runner_for(tiny_llama_dir, request.param)
     return runner_for(
         tiny_llama_dir, "draft_model", tiny_draft_dir if request.param == "draft_weak" else tiny_llama_dir
     )
@@ -82,6 +82,29 @@ def test_greedy_speculation_equals_plain_output(proposer, extras):
     for i in range(len(PROMPTS)):
         (alone,) = run_offline(runner, config, requests(tok, f"one{i}", True, **extras)[i : i + 1])
         assert alone.token_ids == plain[i]
+
+
+def test_suffix_drafts_from_earlier_outputs_and_stays_exact(tiny_llama_dir):
+    """A second pass drafts from the first pass's cached outputs: exact, in a batch mixing
+    forced, plain, auto and prediction rows; a tenant that never ran gets no such drafts."""
+    target, runner = runner_for(tiny_llama_dir, "suffix")
+    config = config_for(target)
+    tok = target.tokenizer
+    plain = [c.token_ids for c in run_offline(runner, config, requests(tok, "off", False))]
+    first = run_offline(runner, config, requests(tok, "first", True))
+    assert [c.token_ids for c in first] == plain
+    modes = [True, False, "auto", "auto"]
+    mixed = requests(tok, "warm", modes, predictions=[None, None, None, plain[3][:8] + [5] * 8])
+    warm = run_offline(runner, config, mixed)
+    assert [c.token_ids for c in warm] == plain
+    assert warm[1].num_draft_tokens == 0
+    assert warm[0].num_accepted_tokens == warm[0].num_draft_tokens > first[0].num_accepted_tokens
+    other = requests(tok, "other", True)
+    for r in other:
+        r.tenant = "someone-else"
+    cold = run_offline(runner, config, other)
+    assert [c.token_ids for c in cold] == plain
+    assert [c.num_accepted_tokens for c in cold] == [c.num_accepted_tokens for c in first]
 
 
 def test_self_draft_accepts_everything(tiny_llama_dir):
