@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from selenium.webdriver.common.keys import Keys
 
 from tests.support.browser import Playground, chromium_missing, start_chromium
 from tests.support.server import API_KEY, finish_server, serve_args, start_server
@@ -82,13 +83,17 @@ def test_replies_stream_with_their_accepted_drafts_and_none_with_speculation_off
     assert reply.find_elements("css selector", ".text .d") == []
 
 
-def test_stop_ends_a_long_reply_and_the_server_lets_it_go(page, server):
+@pytest.mark.parametrize("how", ["button", "escape"])
+def test_stop_ends_a_long_reply_and_the_server_lets_it_go(page, server, how):
     page.open_with_key(API_KEY)
     page.set("speculation", "off")
     page.set("max_tokens", "")  # the rest of the context: hundreds of plain steps
     reply = page.start("go")
     page.wait.until(lambda _: len(page.text(reply)) >= 8)
-    page.find("#stop").click()
+    if how == "button":
+        page.find("#stop").click()
+    else:
+        page.find("#prompt").send_keys(Keys.ESCAPE)
     page.finish(reply)
     assert reply.get_attribute("data-state") == "stopped" and page.stat(reply, "end") == "stopped"
     assert 0 < int(page.stat(reply, "tokens")) < 400
@@ -114,3 +119,6 @@ def test_api_errors_are_shown_in_the_chat(page, server):
     reply = page.send("")
     assert page.text(reply) == server_error(server, server.headers, temperature=5)
     assert reply.get_attribute("role") == "alert"
+
+    page.find("#clear").click()
+    assert page.replies() == [] and page.find("#log").text == ""
