@@ -29,6 +29,7 @@ from scheduler.scheduler import SchedulerConfig
 from server.config import DEFAULT_KV_SEQUENCES, DEFAULT_MAX_MODEL_LEN, Settings
 from server.errors import install_error_handlers
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
+from server.playground import playground_router
 from server.routes import router
 from server.serving import ServingContext
 
@@ -198,6 +199,8 @@ def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -
     app.state.specd = state
     install_error_handlers(app)
     app.include_router(router)
+    if settings.playground:
+        app.include_router(playground_router())
     # Added innermost first: CORS sees requests first (preflights need no key).
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key_value:

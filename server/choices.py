@@ -28,8 +28,16 @@ from scheduler.engine import RequestStream
 from scheduler.types import FinishReason, RequestOutput
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.errors import APIError, EngineError
-from server.protocol import CompletionTokensDetails, PromptTokensDetails, ResponseHead, SamplingFields, Usage
+from server.protocol import (
+    ChunkSpeculation,
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    ResponseHead,
+    SamplingFields,
+    Usage,
+)
 from server.record import RequestRecord
+from server.speculation_tally import SpeculationTally
 
 logger = logging.getLogger("specd.server")
 
@@ -43,6 +51,11 @@ def stream_flags(req: SamplingFields) -> tuple[bool, bool]:
     if options is None or not options.include_usage:
         return False, False
     return True, options.continuous_usage_stats
+
+
+def wants_speculation(req: SamplingFields) -> bool:
+    """`stream_options.include_speculation` (allowed only when streaming)."""
+    return req.stream_options is not None and req.stream_options.include_speculation
 
 
 @dataclass
@@ -62,6 +75,7 @@ class ChoiceUpdate:
     text: str
     tokens: list[TokenInfo]
     finish_reason: str | None
+    speculation: ChunkSpeculation | None = None
 
 
 class Choice:
@@ -89,10 +103,18 @@ class Choice:
         self.last: RequestOutput | None = None
         self.finish_reason: str | None = None
         self.num_completion_tokens: int | None = None  # set when a stop string ends the output
+        self._tally = SpeculationTally() if wants_speculation(req) else None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens so far, as usage counts them (up to a stop string's last token)."""
+        if self.num_completion_tokens is not None:
+            return self.num_completion_tokens
+        return self.last.num_output_tokens if self.last is not None else 0
 
     def update(self, out: RequestOutput) -> ChoiceUpdate | None:
         """Apply one engine output; None when there is nothing to send yet."""
@@ -100,6 +122,8 @@ class Choice:
         if out.finished and out.finish_reason is FinishReason.ERROR:
             self.finish_reason = "error"
             raise EngineError(f"the engine failed this request: {out.error or 'unknown error'}", code="engine_error")
+        if self._tally is not None:
+            self._tally.add(out)
         piece, token_ends = "", []
         if self._stops.active:  # token by token, so a stop string can be traced to the token that completed it
             for token_id in out.new_token_ids:
@@ -128,7 +152,8 @@ class Choice:
         tokens = self._release_tokens()
         if not text and not tokens and self.finish_reason is None:
             return None
-        return ChoiceUpdate(self.index, text, tokens, self.finish_reason)
+        speculation = self._tally.take(self.num_tokens, *self.usage_details()) if self._tally is not None else None
+        return ChoiceUpdate(self.index, text, tokens, self.finish_reason, speculation)
 
     def _remember_tokens(self, out: RequestOutput, start: int, end: int) -> None:
         tops = out.new_top_logprobs or [[] for _ in out.new_token_ids]
@@ -220,10 +245,7 @@ def usage_of(choices: list[Choice], num_prompt_tokens: int) -> Usage:
         if choice.last is not None:
             key = id(choice.prompt_ids)
             cached[key] = max(cached.get(key, 0), choice.last.num_cached_tokens)
-        if choice.num_completion_tokens is not None:
-            completion += choice.num_completion_tokens
-        elif choice.last is not None:
-            completion += choice.last.num_output_tokens
+        completion += choice.num_tokens
         a, r = choice.usage_details()
         accepted += a
         rejected += r

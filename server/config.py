@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="Largest request body accepted; larger ones get 413."
     )
+    playground: bool = Field(
+        True, description="Serve the chat playground page at / and /playground (--no-playground: 404 there)."
+    )
     access_log: bool = Field(False, description="Log every HTTP request (uvicorn access log).")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Logging verbosity."

@@ -78,6 +78,8 @@ class StreamOptions(OpenAIRequest):
     include_usage: bool = False
     # vLLM extension: usage on every chunk (load generators such as guidellm read it).
     continuous_usage_stats: bool = False
+    # specd extension: each chunk says what speculation did for its tokens (`ChunkSpeculation`).
+    include_speculation: bool = False
 
 
 class SamplingFields(OpenAIRequest):
@@ -266,6 +268,23 @@ class ChatCompletionResponse(OpenAIResponse):
     usage: Usage
 
 
+class ChunkSpeculation(OpenAIResponse):
+    """What the engine steps behind one streamed chunk did for its choice (`include_speculation`).
+
+    Each count covers the steps since the choice's previous chunk. Summed over a
+    choice's chunks, `tokens`, `accepted_tokens` and `rejected_tokens` equal its
+    usage's `completion_tokens` and `completion_tokens_details` accepted /
+    rejected prediction tokens (with a `prediction`, counted as usage counts them).
+    """
+
+    tokens: int  # completion tokens
+    accepted_tokens: int  # of them, from accepted drafts
+    draft_tokens: int  # drafts verified: accepted + rejected
+    rejected_tokens: int
+    steps: int  # engine steps that sampled for this choice
+    speculative_steps: int  # of them, steps that verified drafts
+
+
 class DeltaMessage(OpenAIResponse):
     role: Literal["assistant"] | None = None
     content: str | None = None
@@ -276,6 +295,7 @@ class ChatChunkChoice(OpenAIResponse):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    speculation: ChunkSpeculation | None = None
 
 
 class ChatCompletionChunk(OpenAIResponse):
@@ -302,6 +322,12 @@ class CompletionChoice(OpenAIResponse):
     finish_reason: str | None = None
 
 
+class CompletionChunkChoice(CompletionChoice):
+    """A streamed choice: only chunks carry `speculation`."""
+
+    speculation: ChunkSpeculation | None = None
+
+
 class CompletionResponse(OpenAIResponse):
     """A completion, or (with `usage` only on the last one) a streamed chunk of one."""
 
@@ -310,7 +336,7 @@ class CompletionResponse(OpenAIResponse):
     created: int
     model: str
     system_fingerprint: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionChoice] | list[CompletionChunkChoice]
     usage: Usage | None = None
 
 

@@ -175,7 +175,15 @@ def _stream(ctx: ServingContext, gen: Generation) -> SSEResponse:
         logprobs = ChoiceLogprobs(content=token_logprobs(ctx, update.tokens)) if want_logprobs else None
         delta = DeltaMessage(content=update.text) if update.text else DeltaMessage()
         return chunk(
-            [ChatChunkChoice(index=update.index, delta=delta, logprobs=logprobs, finish_reason=update.finish_reason)],
+            [
+                ChatChunkChoice(
+                    index=update.index,
+                    delta=delta,
+                    logprobs=logprobs,
+                    finish_reason=update.finish_reason,
+                    speculation=update.speculation,
+                )
+            ],
             usage,
         )
 

@@ -23,6 +23,7 @@ from server.errors import BadRequestError
 from server.protocol import (
     MAX_CHOICES,
     CompletionChoice,
+    CompletionChunkChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
@@ -151,8 +152,12 @@ def _stream(ctx: ServingContext, gen: CompletionGeneration) -> SSEResponse:
         choice = choices[update.index]
         offset = len(echoes[update.index])  # '' without `echo`
         logprobs = legacy_logprobs(ctx, update.tokens, offset) if choice.want_logprobs else None
-        item = CompletionChoice(
-            index=update.index, text=update.text, logprobs=logprobs, finish_reason=update.finish_reason
+        item = CompletionChunkChoice(
+            index=update.index,
+            text=update.text,
+            logprobs=logprobs,
+            finish_reason=update.finish_reason,
+            speculation=update.speculation,
         )
         return chunk([item], usage)
 

@@ -1,12 +1,15 @@
-"""The app without a model (its lifespan never runs): loading state, auth on /metrics, CORS."""
+"""The app without a model (its lifespan never runs): loading state, auth on /metrics, CORS, the playground page."""
 
 from __future__ import annotations
+
+import re
 
 import httpx
 import pytest
 
 from server.app import create_app
 from server.config import Settings
+from server.playground import playground_page
 
 
 def client_for(**settings) -> httpx.AsyncClient:
@@ -49,3 +52,27 @@ async def test_cors_preflight_needs_no_key():
         assert preflight.headers["access-control-allow-origin"] == "http://ui.example"
         other = await http.get("/health", headers={"Origin": "http://evil.example"})
         assert "access-control-allow-origin" not in other.headers
+
+
+@pytest.mark.parametrize("path", ["/", "/playground"])
+async def test_playground_page_is_served_without_a_key(path):
+    async with client_for(api_key="k") as http:
+        page = await http.get(path)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "connect-src 'self'" in page.headers["content-security-policy"]
+        assert "<title>specd playground</title>" in page.text
+        assert "/v1/chat/completions" in page.text and "include_speculation" in page.text
+        assert (await http.get("/v1/models")).status_code == 401  # the API it calls still needs the key
+
+
+def test_playground_page_is_self_contained_and_small():
+    page = playground_page()
+    assert len(page.encode()) < 24_000
+    assert not re.search(r"""(src|href)\s*=|@import|url\(|https?://""", page)  # nothing loaded from anywhere
+
+
+async def test_no_playground_leaves_the_root_unrouted():
+    async with client_for(playground=False) as http:
+        for path in ("/", "/playground"):
+            reply = await http.get(path)
+            assert reply.status_code == 404 and reply.json()["error"]["code"] == "not_found"

@@ -12,7 +12,7 @@ import pytest
 
 from scheduler.types import FinishReason, RequestOutput, SamplingParams
 from server.choices import Choice, chunk_encoder, usage_of
-from server.protocol import CompletionChoice, CompletionResponse, ResponseHead
+from server.protocol import CompletionChoice, CompletionResponse, ResponseHead, StreamOptions
 from tests.support.tiny_models import build_tokenizer
 
 
@@ -30,8 +30,13 @@ def tokenizer():
     return build_tokenizer()
 
 
-def make_choice(tokenizer, stop: list[str]) -> Choice:
-    req = SimpleNamespace(stop=stop, include_stop_str_in_output=False, skip_special_tokens=True)
+def make_choice(tokenizer, stop: list[str], include_speculation: bool = False) -> Choice:
+    req = SimpleNamespace(
+        stop=stop,
+        include_stop_str_in_output=False,
+        skip_special_tokens=True,
+        stream_options=StreamOptions(include_speculation=include_speculation),
+    )
     return Choice(0, FakeStream(), tokenizer, req, prompt_ids=[])
 
 
@@ -57,6 +62,39 @@ def test_usage_counts_tokens_up_to_the_stop_string_not_past_it(tokenizer, split)
     assert usage.completion_tokens == needed and usage.total_tokens == 5 + needed
 
 
+@pytest.mark.parametrize("split", [1, 3, 100], ids=["token-per-step", "three-per-step", "one-verify-run"])
+def test_chunk_speculation_adds_up_to_usage_when_a_stop_string_cuts_a_run(tokenizer, split):
+    """Steps of `split` tokens, each a verify of `split` drafts of which all but one are accepted:
+    the chunks' counts sum to usage, although text is held back and the last step runs past the stop."""
+    ids = tokenizer.encode("The quick brown fox STOP jumps over the lazy dog.", add_special_tokens=False)
+    choice = make_choice(tokenizer, ["STOP"], include_speculation=True)
+    chunks, drafted, accepted, steps = [], 0, 0, 0
+    for start in range(0, len(ids), split):
+        steps += 1
+        new = ids[start : start + split]
+        drafted, accepted = drafted + len(new), accepted + len(new) - 1
+        out = RequestOutput(
+            "r", new, num_output_tokens=start + len(new), num_draft_tokens=drafted, num_accepted_tokens=accepted
+        )
+        update = choice.update(out)
+        if update is not None:
+            chunks.append(update.speculation)
+        if choice.finished:
+            break
+    usage = usage_of([choice], num_prompt_tokens=5)
+    details = usage.completion_tokens_details
+    assert sum(c.tokens for c in chunks) == usage.completion_tokens < len(ids)
+    assert sum(c.accepted_tokens for c in chunks) == details.accepted_prediction_tokens
+    assert sum(c.rejected_tokens for c in chunks) == details.rejected_prediction_tokens
+    assert sum(c.steps for c in chunks) == sum(c.speculative_steps for c in chunks) == steps
+
+
+def test_speculation_is_left_out_unless_asked(tokenizer):
+    choice = make_choice(tokenizer, [])
+    update = choice.update(RequestOutput("r", tokenizer.encode("hi", add_special_tokens=False), num_output_tokens=1))
+    assert update is not None and update.speculation is None
+
+
 def test_usage_without_stop_strings_is_the_engine_count(tokenizer):
     choice = make_choice(tokenizer, [])
     ids = tokenizer.encode("hello world", add_special_tokens=False)
@@ -65,7 +103,9 @@ def test_usage_without_stop_strings_is_the_engine_count(tokenizer):
 
 
 def test_cached_tokens_count_each_prompt_once_however_many_choices_ran_it(tokenizer):
-    req = SimpleNamespace(stop=[], include_stop_str_in_output=False, skip_special_tokens=True)
+    req = SimpleNamespace(
+        stop=[], include_stop_str_in_output=False, skip_special_tokens=True, stream_options=StreamOptions()
+    )
     first, second = [1] * 40, [2] * 40
     choices = [Choice(i, FakeStream(), tokenizer, req, ids) for i, ids in enumerate([first, first, second])]
     for choice, cached in zip(choices, (32, 0, 16)):  # n=2 of the first prompt: one of them hit
