@@ -145,10 +145,11 @@ async def capacity(client: httpx.AsyncClient, model: str, prompts: list[Prompt],
             peak["blocks"] = metrics.value("specd_kv_blocks_capacity", default=0.0)
             await asyncio.sleep(0.05)
 
-    bodies = [
-        chat_body(model, [{"role": "user", "content": f"[{i}] " + prompts[i % len(prompts)].text[:600]}], 50, True)
-        for i in range(n)
-    ]
+    def text(i: int) -> str:  # ~600 characters (~150 tokens): prompts of the set, one after another
+        parts = [prompts[(i + j) % len(prompts)].text for j in range(len(prompts))]
+        return f"[{i}] " + " ".join(parts)[:600]
+
+    bodies = [chat_body(model, [{"role": "user", "content": text(i)}], 50, True) for i in range(n)]
     sampler = asyncio.create_task(sample())
     results = await asyncio.gather(*(chat(client, body) for body in bodies))
     done.set()
@@ -169,9 +170,11 @@ async def run_server(url: str, args: argparse.Namespace, caching: bool) -> dict:
         await chat(client, chat_body(model, [{"role": "user", "content": "Hello"}], 4))  # warm-up
         out: dict = {"turn_ttft_s": [], "shared": []}
         for _ in range(args.repeats):
-            out["turn_ttft_s"].append(await multi_turn(client, model, chat_prompts, args.turns))
-            shared = await shared_prefix(client, model, documents, chat_prompts, args.shared, args.system_chars)
-            out["shared"].append(shared)
+            if args.turns:
+                out["turn_ttft_s"].append(await multi_turn(client, model, chat_prompts, args.turns))
+            if args.shared:
+                shared = await shared_prefix(client, model, documents, chat_prompts, args.shared, args.system_chars)
+                out["shared"].append(shared)
         if caching and args.capacity:
             out["capacity"] = await capacity(client, model, chat_prompts, args.capacity)
         return out
@@ -184,31 +187,31 @@ def mean(values: list[float]) -> float:
 def report(runs: dict[str, dict], args: argparse.Namespace) -> str:
     on, off = runs["caching"], runs["no caching"]
     lines = [f"# Prefix caching and paged KV ({time.strftime('%Y-%m-%d')})", ""]
-    lines += [
-        f"`python -m benchmarks.prefix_bench {' '.join(args.argv)}`".replace(" `", "`"),
-        "",
-        "## (a) multi-turn chat: TTFT per turn (ms, mean of repeats)",
-        "",
-        "| turn | caching | no caching | ratio |",
-        "| --- | --- | --- | --- |",
-    ]
+    lines += [f"`python -m benchmarks.prefix_bench {' '.join(args.argv)}`".replace(" `", "`")]
+    if args.turns:
+        lines += [
+            "",
+            "## (a) multi-turn chat: TTFT per turn (ms, mean of repeats)",
+            "",
+            "| turn | caching | no caching | ratio |",
+            "| --- | --- | --- | --- |",
+        ]
     for turn in range(args.turns):
         a = mean([run[turn] for run in on["turn_ttft_s"]]) * 1e3
         b = mean([run[turn] for run in off["turn_ttft_s"]]) * 1e3
         lines.append(f"| {turn + 1} | {a:.0f} | {b:.0f} | {a / b:.2f} |")
-    lines += ["", f"## (b) {args.shared} requests sharing a ~1k-token system prompt", ""]
-    lines += ["| | caching | no caching | ratio |", "| --- | --- | --- | --- |"]
-    for key, label in (
-        ("prompt_tokens_computed", "prompt tokens computed"),
-        ("ttft_p50_s", "TTFT p50 (s)"),
-        ("seconds", "wall time (s)"),
-    ):
-        a, b = mean([s[key] for s in on["shared"]]), mean([s[key] for s in off["shared"]])
-        lines.append(f"| {label} | {a:.4g} | {b:.4g} | {a / b:.3f} |")
-    sent = mean([s["prompt_tokens_sent"] for s in on["shared"]])
-    lines.append(
-        f"| prompt tokens sent | {sent:.0f} | {mean([s['prompt_tokens_sent'] for s in off['shared']]):.0f} | |"
-    )
+    if args.shared:
+        lines += ["", f"## (b) {args.shared} requests sharing a ~1k-token system prompt", ""]
+        lines += ["| | caching | no caching | ratio |", "| --- | --- | --- | --- |"]
+        for key, label in (
+            ("prompt_tokens_computed", "prompt tokens computed"),
+            ("ttft_p50_s", "TTFT p50 (s)"),
+            ("seconds", "wall time (s)"),
+        ):
+            a, b = mean([s[key] for s in on["shared"]]), mean([s[key] for s in off["shared"]])
+            lines.append(f"| {label} | {a:.4g} | {b:.4g} | {a / b:.3f} |")
+        sent = [mean([s["prompt_tokens_sent"] for s in run["shared"]]) for run in (on, off)]
+        lines.append(f"| prompt tokens sent | {sent[0]:.0f} | {sent[1]:.0f} | |")
     if "capacity" in on:
         c = on["capacity"]
         lines += [
@@ -229,8 +232,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="target model (default: specd's, the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="[specd's default]")
     p.add_argument("--device", help="cpu, cuda or cuda:N [specd's default]")
-    p.add_argument("--turns", type=int, default=10, help="turns of the multi-turn chat [10]")
-    p.add_argument("--shared", type=int, default=32, help="requests sharing one system prompt [32]")
+    p.add_argument("--turns", type=int, default=10, help="turns of the multi-turn chat; 0 skips (a) [10]")
+    p.add_argument("--shared", type=int, default=32, help="requests sharing one system prompt; 0 skips (b) [32]")
     p.add_argument("--system-chars", type=int, default=4200, help="length of (b)'s system prompt [4200, ~1k tokens]")
     p.add_argument("--capacity", type=int, default=96, help="short chats sent at once for (c); 0 skips it [96]")
     p.add_argument("--repeats", type=int, default=2, help="conversations and shared-prompt rounds per server [2]")

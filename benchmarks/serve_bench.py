@@ -152,7 +152,7 @@ class RequestResult:
     text: str = ""  # the reply (a multi-turn client sends it back)
 
 
-def request_body(model: str, prompt: Prompt, mode: str, max_tokens: int) -> dict:
+def request_body(model: str, prompt: Prompt, mode: str, max_tokens: int, cache_salt: str | None = None) -> dict:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt.text}],
@@ -166,6 +166,8 @@ def request_body(model: str, prompt: Prompt, mode: str, max_tokens: int) -> dict
         del body["ignore_eos"], body["stream_options"]
     elif MODES[mode] is not None:
         body["speculation"] = MODES[mode]
+    if cache_salt is not None and mode != PEER_MODE:
+        body["cache_salt"] = cache_salt
     return body
 
 
@@ -246,7 +248,9 @@ async def drive(
 
     def next_body() -> tuple[dict, str]:
         prompt = prompts[next(order) % len(prompts)]
-        return request_body(model, prompt, mode, args.max_tokens), prompt.id
+        # Each (mode, load) its own tenant: what one run cached never warms another; passes share it.
+        salt = f"{mode}-{load.kind}-{load.value}" if args.isolate_runs else None
+        return request_body(model, prompt, mode, args.max_tokens, salt), prompt.id
 
     async def worker() -> None:
         while len(results) < load.num_requests:
@@ -614,8 +618,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--draft-model", help="draft model directory or Hub id")
     g.add_argument("--num-speculative-tokens", type=int, help="K [specd's default]")
     g.add_argument("--spec-disable-batch-size", type=int, help="auto rows stop drafting above this batch [specd's]")
-    g.add_argument("--max-num-seqs", type=int, help="KV slots [max(16, largest concurrency)]")
-    g.add_argument("--max-model-len", type=int, default=1024, help="prompt + completion tokens per slot [1024]")
+    g.add_argument("--max-num-seqs", type=int, help="requests running at once [max(16, largest concurrency)]")
+    g.add_argument("--max-model-len", type=int, default=1024, help="prompt + completion tokens per request [1024]")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="[specd's default]")
     g.add_argument("--device", help="cpu, cuda or cuda:N [specd's default]")
     g.add_argument("--server-args", default="", help="more `specd serve` flags, one quoted string")
@@ -660,6 +664,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="serve every load this many times on the same server (later passes see what a cache of "
         "earlier outputs, such as --draft suffix's, learned) [1]",
+    )
+    g.add_argument(
+        "--isolate-runs",
+        action="store_true",
+        help="send each mode x load as its own tenant (cache_salt), so caches shared across requests (prefix "
+        "cache, suffix trees) never carry one run's prompts into another; passes of a run share it",
     )
     g.add_argument("--warmup", type=int, default=2, help="unmeasured requests per mode before the runs [2]")
     g.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals [0]")

@@ -13,7 +13,7 @@ def forward_step(
 ) -> torch.Tensor:
     """Run a step's packed tokens `input_ids` `[T]` (already on the device) through `model`.
 
-    `layout` says where each token lives (slot, position) and how rows are
+    `layout` says where each token lives (pool row, position) and how rows are
     grouped for attention. `keep` are indices into the packed order whose
     logits are wanted (the lm_head runs only on those; 0 = all). Returns
     float32 logits `[len(keep), vocab]`.
