@@ -132,7 +132,7 @@ async def shared_prefix(
     }
 
 
-async def capacity(client: httpx.AsyncClient, model: str, prompts: list[Prompt], n: int) -> dict:
+async def capacity(client: httpx.AsyncClient, model: str, prompts: list[Prompt], n: int, num_chars: int) -> dict:
     """The most requests running and KV blocks held at once while `n` short chats run together."""
     peak = {"running": 0.0, "blocks_used": 0.0, "blocks": 0.0}
     done = asyncio.Event()
@@ -145,9 +145,9 @@ async def capacity(client: httpx.AsyncClient, model: str, prompts: list[Prompt],
             peak["blocks"] = metrics.value("specd_kv_blocks_capacity", default=0.0)
             await asyncio.sleep(0.05)
 
-    def text(i: int) -> str:  # ~600 characters (~150 tokens): prompts of the set, one after another
+    def text(i: int) -> str:  # `num_chars` of the set's prompts, one after another
         parts = [prompts[(i + j) % len(prompts)].text for j in range(len(prompts))]
-        return f"[{i}] " + " ".join(parts)[:600]
+        return f"[{i}] " + " ".join(parts)[:num_chars]
 
     bodies = [chat_body(model, [{"role": "user", "content": text(i)}], 50, True) for i in range(n)]
     sampler = asyncio.create_task(sample())
@@ -176,7 +176,7 @@ async def run_server(url: str, args: argparse.Namespace, caching: bool) -> dict:
                 shared = await shared_prefix(client, model, documents, chat_prompts, args.shared, args.system_chars)
                 out["shared"].append(shared)
         if caching and args.capacity:
-            out["capacity"] = await capacity(client, model, chat_prompts, args.capacity)
+            out["capacity"] = await capacity(client, model, chat_prompts, args.capacity, args.capacity_chars)
         return out
 
 
@@ -235,6 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=10, help="turns of the multi-turn chat; 0 skips (a) [10]")
     p.add_argument("--shared", type=int, default=32, help="requests sharing one system prompt; 0 skips (b) [32]")
     p.add_argument("--system-chars", type=int, default=4200, help="length of (b)'s system prompt [4200, ~1k tokens]")
+    p.add_argument("--capacity-chars", type=int, default=600, help="prompt length in (c) [600, ~150 tokens]")
     p.add_argument("--capacity", type=int, default=96, help="short chats sent at once for (c); 0 skips it [96]")
     p.add_argument("--repeats", type=int, default=2, help="conversations and shared-prompt rounds per server [2]")
     p.add_argument("--max-seconds", type=float, default=600, help="HTTP timeout per request [600]")
