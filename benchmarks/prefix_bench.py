@@ -37,6 +37,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from statistics import mean
 
 import httpx
 
@@ -178,10 +179,6 @@ async def run_server(url: str, args: argparse.Namespace, caching: bool) -> dict:
         if caching and args.capacity:
             out["capacity"] = await capacity(client, model, chat_prompts, args.capacity, args.capacity_chars)
         return out
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 def report(runs: dict[str, dict], args: argparse.Namespace) -> str:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from models.transfer import DeviceArrays, HostBuffer
+from scheduler.kv_blocks import blocks_for
 
 ATTN_IMPLEMENTATION = "specd"
 
@@ -86,14 +87,14 @@ class LayoutPlan:
     def _group(run, block_tables, starts, lens, offsets, total, block_size) -> GroupPlan:
         max_q = max(lens[b] for b in run)
         max_kv = max(starts[b] + lens[b] for b in run)
-        num_blocks = -(-max_kv // block_size)
+        num_blocks = blocks_for(max_kv, block_size)
         token_index: list[int] = []
         pad_index: list[int] = []
         block_index: list[int] = []
         for cell, b in enumerate(run):
             token_index += range(offsets[b], offsets[b] + lens[b])
             pad_index += range(cell * max_q, cell * max_q + lens[b])
-            table = block_tables[b][: -(-(starts[b] + lens[b]) // block_size)]  # the blocks the row uses
+            table = block_tables[b][: blocks_for(starts[b] + lens[b], block_size)]  # the blocks the row uses
             block_index += table + [table[0]] * (num_blocks - len(table))
         view_block = None
         if len(run) == 1 and block_index == list(range(block_index[0], block_index[0] + num_blocks)):

@@ -190,7 +190,7 @@ class MetricsObserver:
         self._preempted = gauge("specd_requests_preempted", "Waiting requests that were preempted.")
         self._kv_usage = gauge("specd_kv_cache_usage_ratio", "KV blocks held by requests / all blocks.")
         self._kv_blocks_used = gauge("specd_kv_blocks_used", "KV blocks held by requests.")
-        self._kv_blocks_total = gauge("specd_kv_blocks_capacity", "KV blocks in the pool.")
+        self._kv_blocks_capacity = gauge("specd_kv_blocks_capacity", "KV blocks in the pool.")
         self._spec_enabled = gauge("specd_spec_enabled", "1 while the last engine step speculated.")
         self._suffix_nodes = gauge(
             "specd_suffix_cache_nodes",
@@ -218,7 +218,7 @@ class MetricsObserver:
                      self._queue, self._batch_size, self._prediction_ratio):  # fmt: skip
             hist.labels(model)
         for gauge in (self._running, self._waiting, self._preempted, self._kv_usage, self._kv_blocks_used,
-                      self._kv_blocks_total, self._spec_enabled, self._suffix_nodes):  # fmt: skip
+                      self._kv_blocks_capacity, self._spec_enabled, self._suffix_nodes):  # fmt: skip
             gauge.labels(model).set(0)
 
     # -- recording --
@@ -294,7 +294,7 @@ class MetricsObserver:
         self._preempted.labels(model).set(queue.num_preempted)
         self._kv_usage.labels(model).set(queue.kv_usage)
         self._kv_blocks_used.labels(model).set(queue.kv_blocks_used)
-        self._kv_blocks_total.labels(model).set(queue.kv_blocks_total)
+        self._kv_blocks_capacity.labels(model).set(queue.kv_blocks_total)
 
     # -- exposition --
 
