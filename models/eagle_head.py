@@ -149,6 +149,11 @@ class EagleHead(nn.Module):
     does; without, the tokens are one causal sequence (training).
     """
 
+    # Not parameters (set in __init__); declared so type checkers see them as what they are.
+    embed: nn.Embedding
+    draft_vocab: torch.Tensor
+    lm_head: torch.Tensor
+
     def __init__(self, config: HeadConfig, embed: nn.Embedding, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor,
                  attn_implementation: str = "sdpa"):  # fmt: skip
         super().__init__()
@@ -221,7 +226,9 @@ def save_head(head: EagleHead, out_dir: Path, dtype: torch.dtype = torch.bfloat1
 def read_head_config(head_dir: Path) -> HeadConfig:
     path = Path(head_dir) / CONFIG_FILE
     if not path.is_file():
-        raise HeadMismatch(f"{head_dir} is not a draft head directory (no {CONFIG_FILE}; `specd train-draft` makes one)")
+        raise HeadMismatch(
+            f"{head_dir} is not a draft head directory (no {CONFIG_FILE}; `specd train-draft` makes one)"
+        )
     return HeadConfig.from_json(path.read_text())
 
 
