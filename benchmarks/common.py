@@ -49,6 +49,7 @@ def engine_run(
     max_tokens: int,
     method: str = "none",
     draft: str | None = None,
+    draft_head: str | None = None,
     speculation="auto",
     k: int = 4,
     threshold: int | None = None,
@@ -60,7 +61,9 @@ def engine_run(
     slots = max(len(prompts), 1)
     if runner is None:
         runner = build_runner(
-            target, RunnerConfig(max_num_seqs=slots, max_model_len=max_len), ProposerConfig(method, draft)
+            target,
+            RunnerConfig(max_num_seqs=slots, max_model_len=max_len),
+            ProposerConfig(method, draft, draft_head=draft_head),
         )
     config = SchedulerConfig(
         max_num_seqs=slots,

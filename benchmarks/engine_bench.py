@@ -68,7 +68,7 @@ def batch_section(
 
 
 def spec_section(
-    dtype: str, max_tokens: int, model: str | None, draft_layers: int, device: str
+    dtype: str, max_tokens: int, model: str | None, draft_layers: int, device: str, draft_head: str | None = None
 ) -> tuple[str, list[dict]]:
     target = load(dtype, model, device)
     reference = load(dtype, model, device)
@@ -90,6 +90,12 @@ def spec_section(
                 draft(speculation=True, k=4, name=f"draft {draft_layers}L K=4"),
                 draft(speculation="auto", name=f"draft {draft_layers}L auto"),
             ]
+            if draft_head:
+                eagle = functools.partial(run, "eagle", draft_head=draft_head)
+                results += [
+                    eagle(speculation=True, k=5, name="eagle K=5"),
+                    eagle(speculation="auto", name="eagle auto"),
+                ]
             hf_plain = hf_run(reference, ids, max_tokens, "HF generate")
             for n in (3, 5, 10):
                 r = hf_run(reference, ids, max_tokens, f"HF prompt lookup {n}", prompt_lookup_num_tokens=n)
@@ -133,6 +139,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="target model (default: bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--draft-layers", type=int, default=8, help="layers kept in the truncated draft")
+    parser.add_argument("--draft-head", default=None, help="also run --draft eagle with this head directory (spec)")
     parser.add_argument("--json", type=Path, default=None, help="also write the records here")
     args = parser.parse_args()
 
@@ -155,7 +162,9 @@ def main() -> None:
             print(text + "\n", flush=True)
             records += rec
         if args.section in ("spec", "all"):
-            text, rec = spec_section(dtype, args.max_tokens, args.model, args.draft_layers, args.device)
+            text, rec = spec_section(
+                dtype, args.max_tokens, args.model, args.draft_layers, args.device, args.draft_head
+            )
             print(text + "\n", flush=True)
             records += rec
     if args.json:

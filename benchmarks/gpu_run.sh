@@ -6,7 +6,8 @@
 #      batch shape, host transfers and CUDA syncs per step) and the batch-size
 #      sweep (--section batch);
 #   3. the serving benchmark, speculation off / on / auto, for the target with
-#      the n-gram proposer and with a draft cut from it by benchmarks/make_draft.py;
+#      the n-gram proposer, with a draft cut from it by benchmarks/make_draft.py,
+#      and with an EAGLE draft head when one is given (or bundled for the default model);
 #   4. a short table, printed last.
 #
 #   bash benchmarks/gpu_run.sh [OUT_DIR]          # default benchmarks/results/gpu-<date>
@@ -16,6 +17,8 @@
 #   MODEL         target: directory, .gguf file or Hub id in the local HF cache [bundled SmolLM2-135M-Instruct]
 #   DEVICE        cuda, cuda:N or cpu (cpu only to try this script out) [cuda]
 #   DRAFT_LAYERS  layers kept in the draft [8]
+#   DRAFT_HEAD    EAGLE head directory for the target [models/heads/smollm2-135m-instruct if MODEL is unset
+#                 and it exists; else the eagle run is skipped]
 #   MAX_TOKENS    tokens per request [128]
 #   CONCURRENCY   serving levels, n-gram run [1,2,4,8,16,32]; the draft run uses DRAFT_CONCURRENCY [1,4,16]
 #   WHEELS        folder of wheels to install (no network) into a private folder before starting
@@ -112,6 +115,15 @@ serve ngram "$CONCURRENCY" --draft ngram
 DRAFT_DIR=$("$PYTHON" -c "import sys; from benchmarks.make_draft import make_layer_draft; \
 print(make_layer_draft(sys.argv[1] or None, int(sys.argv[2])))" "${MODEL:-}" "$DRAFT_LAYERS")
 serve "draft${DRAFT_LAYERS}L" "$DRAFT_CONCURRENCY" --draft-model "$DRAFT_DIR"
+DRAFT_HEAD=${DRAFT_HEAD:-}
+if [ -z "$DRAFT_HEAD" ] && [ -z "${MODEL:-}" ] && [ -d models/heads/smollm2-135m-instruct ]; then
+    DRAFT_HEAD=models/heads/smollm2-135m-instruct
+fi
+if [ -n "$DRAFT_HEAD" ]; then
+    serve eagle "$DRAFT_CONCURRENCY" --draft eagle --draft-head "$DRAFT_HEAD"
+else
+    echo "no EAGLE draft head for this target (DRAFT_HEAD): eagle run skipped" >&2
+fi
 
 stamp "summary"
 "$PYTHON" - "$OUT_DIR" <<'EOF'

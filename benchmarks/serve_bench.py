@@ -121,6 +121,7 @@ def server_args(args: argparse.Namespace) -> list[str]:
         model=args.model,
         draft=args.draft,
         draft_model=args.draft_model,
+        draft_head=args.draft_head,
         num_speculative_tokens=args.num_speculative_tokens,
         spec_disable_batch_size=args.spec_disable_batch_size,
         max_num_seqs=args.max_num_seqs or max([16, *levels]),
@@ -614,8 +615,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--ready-timeout", type=float, default=300, help="seconds to wait for /ready [300]")
     g = p.add_argument_group("server started by the benchmark (ignored with --base-url)")
     g.add_argument("--model", help="target model (default: specd's, the bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", choices=("ngram", "suffix", "draft_model", "none"), help="proposer [specd's default]")
+    g.add_argument(
+        "--draft", choices=("ngram", "suffix", "draft_model", "eagle", "none"), help="proposer [specd's default]"
+    )
     g.add_argument("--draft-model", help="draft model directory or Hub id")
+    g.add_argument("--draft-head", help="EAGLE draft head directory (--draft eagle) [specd's default]")
     g.add_argument("--num-speculative-tokens", type=int, help="K [specd's default]")
     g.add_argument("--spec-disable-batch-size", type=int, help="auto rows stop drafting above this batch [specd's]")
     g.add_argument("--max-num-seqs", type=int, help="requests running at once [max(16, largest concurrency)]")

@@ -5,10 +5,15 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from models.device_draft import DeviceProposer
 from models.draft_model import DraftModelProposer
+from models.eagle import EagleProposer
+from models.eagle_head import EagleHead, load_head
+from models.forward import check_plain_logits
 from models.kv_cache import KVCache
 from models.loader import LoadedModel, ModelConfig, check_draft_compatible, load_model
 from models.proposers import NgramProposer, Proposer
@@ -18,26 +23,29 @@ from scheduler.kv_blocks import blocks_for
 
 logger = logging.getLogger("specd.models")
 
-PROPOSERS = ("ngram", "suffix", "draft_model", "none")
+PROPOSERS = ("ngram", "suffix", "draft_model", "eagle", "none")
 
 
 @dataclass
 class ProposerConfig:
-    """`method` "ngram" (default without a draft model), "suffix", "draft_model", or "none"."""
+    """`method` "ngram" (default without a draft model or head), "suffix", "draft_model", "eagle", or "none"."""
 
-    method: str | None = None  # None: draft_model if `draft_model` is set, else ngram
+    method: str | None = None  # None: draft_model if `draft_model` is set, eagle if `draft_head`, else ngram
     draft_model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
     suffix_cache_requests: int = SuffixConfig.cache_requests  # 0: per-request trees only
+    draft_head: str | None = None  # an EAGLE head directory (`specd train-draft` makes one)
 
     def __post_init__(self) -> None:
         if self.method is None:
-            self.method = "draft_model" if self.draft_model else "ngram"
+            self.method = "draft_model" if self.draft_model else "eagle" if self.draft_head else "ngram"
         if self.method not in PROPOSERS:
             raise ValueError(f"--draft must be one of {', '.join(PROPOSERS)}, got {self.method!r}")
         if self.method == "draft_model" and not self.draft_model:
             raise ValueError("--draft draft_model needs --draft-model ID|PATH")
+        if self.method == "eagle" and not self.draft_head:
+            raise ValueError("--draft eagle needs --draft-head DIR")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("ngram sizes must satisfy 1 <= min <= max")
 
@@ -52,8 +60,9 @@ def build_runner(
     if max_len != runner.max_model_len:
         logger.info("max_model_len capped to the model's %d positions", max_len)
         runner.max_model_len = max_len
-    draft: Proposer | DraftModelProposer | None = None
+    draft: Proposer | DeviceProposer | None = None
     loaded_draft: LoadedModel | None = None
+    extra_per_block = 0  # bytes a KV block costs a device proposer
     if proposer.method == "draft_model":
         draft_cfg = ModelConfig(
             model=str(proposer.draft_model),
@@ -63,26 +72,36 @@ def build_runner(
         )
         loaded_draft = load_model(draft_cfg)
         check_draft_compatible(target, loaded_draft)
-    runner.num_kv_blocks = num_kv_blocks(runner, target, loaded_draft)
+        extra_per_block = KVCache.bytes_per_block(loaded_draft.model.config, runner.block_size, loaded_draft.dtype)
+    head: EagleHead | None = None
+    if proposer.method == "eagle":
+        check_plain_logits(target.model)
+        head = load_head(Path(str(proposer.draft_head)), target.model)  # HeadMismatch: made for another model
+        extra_per_block = EagleProposer.bytes_per_block(head.config, runner.block_size, target.dtype)
+    runner.num_kv_blocks = num_kv_blocks(runner, target, extra_per_block)
     if proposer.method == "ngram":
         draft = NgramProposer(proposer.ngram_min, proposer.ngram_max)
     elif proposer.method == "suffix":
         draft = SuffixProposer(SuffixConfig(cache_requests=proposer.suffix_cache_requests))
     elif loaded_draft is not None:
         draft = DraftModelProposer(loaded_draft, runner.num_kv_blocks, runner.block_size, target.vocab_size)
+    elif head is not None:
+        draft = EagleProposer(
+            head, Path(str(proposer.draft_head)), runner.num_kv_blocks, runner.block_size, target.vocab_size
+        )
+        logger.info("EAGLE head %s (draft vocabulary %d)", proposer.draft_head, head.config.draft_vocab_size)
     return ModelRunner(target, runner, draft)
 
 
-def num_kv_blocks(config: RunnerConfig, target: LoadedModel, draft: LoadedModel | None = None) -> int:
-    """The KV pool's size in blocks, from `config` (see `RunnerConfig`). A draft
-    model keeps its own KV in the same block layout, so a block costs both."""
+def num_kv_blocks(config: RunnerConfig, target: LoadedModel, extra_per_block: int = 0) -> int:
+    """The KV pool's size in blocks, from `config` (see `RunnerConfig`). A device
+    proposer keeps its own per-block state (a draft model's KV; a head's KV and
+    features) in the same block layout: `extra_per_block` bytes more a block."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if config.kv_cache_memory is None:
         return blocks_for(config.max_num_seqs * config.max_model_len, config.block_size)
-    per_block = sum(
-        KVCache.bytes_per_block(m.model.config, config.block_size, m.dtype) for m in (target, draft) if m is not None
-    )
+    per_block = KVCache.bytes_per_block(target.model.config, config.block_size, target.dtype) + extra_per_block
     budget = config.kv_cache_memory
     if budget <= 1:
         budget *= free_memory(target.device)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from models.kv_cache import KVCache, StepLayout
+
+# Config fields of models whose logits are not plain `lm_head(h)` (Gemma's softcap, Cohere's and
+# Granite's scales): `forward_with_hidden` would get them wrong, so a head cannot serve them.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 @torch.inference_mode()
@@ -18,8 +25,7 @@ def forward_step(
     logits are wanted (the lm_head runs only on those; 0 = all). Returns
     float32 logits `[len(keep), vocab]`.
     """
-    cache.layout = layout
-    try:
+    with laid_out(cache, layout):
         out = model(
             input_ids=input_ids[None],
             position_ids=layout.token_pos[None],
@@ -28,9 +34,45 @@ def forward_step(
             logits_to_keep=keep,
             specd_layout=layout,
         )
+    return out.logits[0].float()
+
+
+@torch.inference_mode()
+def forward_with_hidden(
+    model, cache: KVCache, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward_step`'s logits `[len(keep), vocab]` and the last hidden state of every packed
+    token `[T, H]` (after the final norm: what the lm_head reads), from the same forward:
+    the base model runs once and the output layer only on the `keep` rows."""
+    with laid_out(cache, layout):
+        out = model.get_decoder()(
+            input_ids=input_ids[None],
+            position_ids=layout.token_pos[None],
+            cache=cache,
+            use_cache=True,
+            specd_layout=layout,
+        )
+    hidden = out.last_hidden_state[0]
+    logits = model.get_output_embeddings()(hidden.index_select(0, keep))
+    return logits.float(), hidden
+
+
+def check_plain_logits(model) -> None:
+    """Raise ValueError for a model `forward_with_hidden` cannot reproduce (see LOGIT_TRANSFORMS)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name in LOGIT_TRANSFORMS:
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise ValueError(f"{type(model).__name__} transforms its logits ({name}); a draft head cannot serve it")
+
+
+@contextmanager
+def laid_out(cache: KVCache, layout: StepLayout) -> Iterator[None]:
+    """The cache writes and attention reads where `layout` says, for one forward."""
+    cache.layout = layout
+    try:
+        yield
     finally:
         cache.layout = None
-    return out.logits[0].float()
 
 
 def last_token_index(token_lists: list[list[int]]) -> list[int]:

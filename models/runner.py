@@ -3,8 +3,10 @@
     prepare (host drafts, one upload) -> draft (device) -> forward -> sample/verify -> one download
 
 Model-free proposers (n-gram, Predicted Outputs) draft on the host while the
-step is prepared; a draft model drafts on the device after the upload, and
-its tokens go into the target's input there. Every row's new tokens (prefill
+step is prepared; a draft model or an EAGLE head drafts on the device after
+the upload, and its tokens go into the target's input there. For an EAGLE
+head the target forward also keeps every token's last hidden state (the
+head's features) in the proposer's feature pool. Every row's new tokens (prefill
 chunk, last token, or last token + drafts) go through the target in one
 packed forward, and one rejection-sampling call turns the logits into
 1..K+1 tokens per sampling row. Plain rows are the k = 0 case, and a step
@@ -23,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.draft_model import DeviceDraft, DraftModelProposer, DraftPlan
-from models.forward import forward_step
+from models.device_draft import DeviceDraft, DeviceProposer, DraftPlan
+from models.forward import forward_step, forward_with_hidden
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, LayoutPlan
 from models.loader import LoadedModel
 from models.proposers import Draft, PredictionProposer, Proposer
@@ -88,7 +90,7 @@ class StepPlan:
     host_drafts: list[Draft | None]  # model-free drafts, per row
     num_draft: list[int]  # per row, host or device drafts
     methods: list[str | None]  # proposer that drafted for each row
-    draft: DraftPlan | None  # the draft model's forwards, for `draft_rows`
+    draft: DraftPlan | None  # the device proposer's forwards, for `draft_rows`
     draft_rows: list[int]
     layout: LayoutPlan
     sample_rows: list[int]
@@ -109,7 +111,7 @@ class ModelRunner:
         self,
         target: LoadedModel,
         config: RunnerConfig,
-        proposer: Proposer | DraftModelProposer | None = None,
+        proposer: Proposer | DeviceProposer | None = None,
     ):
         self.target = target
         self.config = config
@@ -133,6 +135,12 @@ class ModelRunner:
     @property
     def proposer_name(self) -> str:
         return self.proposer.method if self.proposer else "none"
+
+    @property
+    def draft_head(self) -> dict | None:
+        """The EAGLE head being served (path, draft vocabulary, training record), else None."""
+        info = getattr(self.proposer, "info", None)
+        return info() if info is not None else None
 
     def free(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -171,17 +179,17 @@ class ModelRunner:
         return [draft.token_probs or [] for draft in drafts]
 
     def _prepare_and_draft(self, rows: list[ScheduledRow]) -> tuple[StepPlan, DeviceArrays, DeviceDraft | None]:
-        """Host drafts and the one upload, then the draft model's device drafts (if any).
-        A failing draft model costs this step its drafts, never a request."""
+        """Host drafts and the one upload, then a device proposer's drafts (if any).
+        A failing draft model or head costs this step its drafts, never a request."""
         plan = self._prepare(rows)
         arrays = plan.buf.upload(self.device)
         if plan.draft is None:
             return plan, arrays, None
-        assert isinstance(self.proposer, DraftModelProposer)
+        assert isinstance(self.proposer, DeviceProposer)
         try:
             return plan, arrays, self.proposer.run(plan.draft, arrays)
         except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
-            logger.exception("draft model failed; these rows decode plainly this step")
+            logger.exception("%s proposer failed; these rows decode plainly this step", self.proposer.method)
             plan = self._prepare(rows, device_drafting=False)
             return plan, plan.buf.upload(self.device), None
 
@@ -203,8 +211,9 @@ class ModelRunner:
         num_draft = [len(d.token_ids) if d else 0 for d in host_drafts]
         methods = [d.method if d else None for d in host_drafts]
         for i in draft_rows:
+            assert isinstance(self.proposer, DeviceProposer)
             num_draft[i] = rows[i].num_spec_tokens
-            methods[i] = DraftModelProposer.method
+            methods[i] = self.proposer.method
         lens = [len(row.token_ids) + k for row, k in zip(rows, num_draft)]
         plan = StepPlan(
             rows=rows,
@@ -221,13 +230,13 @@ class ModelRunner:
         )
         buf = plan.buf
         if draft_rows:
-            assert isinstance(self.proposer, DraftModelProposer)
+            assert isinstance(self.proposer, DeviceProposer)
             try:
                 plan.draft = self.proposer.plan(
                     [rows[i].request for i in draft_rows], [num_draft[i] for i in draft_rows], buf
                 )
             except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
-                logger.exception("draft model failed; these rows decode plainly this step")
+                logger.exception("%s proposer failed; these rows decode plainly this step", self.proposer.method)
                 return self._prepare(rows, device_drafting=False)
         plan.layout.add_to(buf, "layout")
 
@@ -258,12 +267,12 @@ class ModelRunner:
         return plan
 
     def _propose_host(self, rows: list[ScheduledRow], device_drafting: bool) -> tuple[list[Draft | None], list[int]]:
-        """Model-free drafts per row, and the rows the draft model will draft for on the device."""
+        """Model-free drafts per row, and the rows a device proposer will draft for on the device."""
         drafts: list[Draft | None] = [None] * len(rows)
         spec = [i for i, row in enumerate(rows) if row.sample and row.num_spec_tokens > 0]
         with_prediction = [i for i in spec if rows[i].request.prediction_ids]
         plain_spec = [i for i in spec if not rows[i].request.prediction_ids]
-        if isinstance(self.proposer, DraftModelProposer):
+        if isinstance(self.proposer, DeviceProposer):
             return self._run_host(self.prediction, rows, with_prediction, drafts), plain_spec if device_drafting else []
         for index, proposer in ((with_prediction, self.prediction), (plain_spec, self.proposer)):
             if index and proposer is not None:
@@ -277,7 +286,7 @@ class ModelRunner:
         with_prediction = [i for i in want if rows[i].request.prediction_ids]
         plain = [i for i in want if not rows[i].request.prediction_ids]
         for index, proposer in ((with_prediction, self.prediction), (plain, self.proposer)):
-            if index and proposer is not None and not isinstance(proposer, DraftModelProposer):
+            if index and proposer is not None and not isinstance(proposer, DeviceProposer):
                 self._run_host(proposer, rows, index, drafts, [rows[i].num_shadow_tokens for i in index])
         return {i: d.token_ids for i, d in enumerate(drafts) if d is not None}
 
@@ -336,7 +345,14 @@ class ModelRunner:
             input_ids = input_ids.clone()
             input_ids[arrays["fill_pos"]] = device_draft.token_ids.reshape(-1)[arrays["fill_src"]]
         layout = plan.layout.resolve(arrays, "layout")
-        return forward_step(self.target.model, self.cache, layout, input_ids, arrays["keep"])  # [len(keep), V]
+        features = self.proposer.features if isinstance(self.proposer, DeviceProposer) else None
+        if features is None:
+            return forward_step(self.target.model, self.cache, layout, input_ids, arrays["keep"])  # [len(keep), V]
+        # Every token's features, at its KV row: positions < num_computed_tokens then always hold
+        # accepted tokens' (drafts the verify rejects are overwritten later, like their KV).
+        logits, hidden = forward_with_hidden(self.target.model, self.cache, layout, input_ids, arrays["keep"])
+        features.index_copy_(0, layout.token_dest, hidden.to(features.dtype))
+        return logits
 
     # -- sample / verify --
     def _sample(
@@ -408,7 +424,7 @@ class ModelRunner:
 
     @staticmethod
     def _draft_ids(arrays: DeviceArrays, num_rows: int, n_max: int, device_draft: DeviceDraft | None) -> torch.Tensor:
-        """[rows, n_max - 1] drafts: the host ones as uploaded, a draft model's from the device."""
+        """[rows, n_max - 1] drafts: the host ones as uploaded, a device proposer's from the device."""
         draft_ids = arrays["draft_grid"].view(num_rows, n_max - 1)
         if device_draft is not None:
             draft_ids = draft_ids.clone()
@@ -446,7 +462,7 @@ class ModelRunner:
                 out.method = plan.methods[i]
                 out.num_draft_tokens = plan.num_draft[i]
                 out.num_accepted_tokens = n_acc
-                if isinstance(self.proposer, DraftModelProposer) and out.method == DraftModelProposer.method:
+                if isinstance(self.proposer, DeviceProposer) and out.method == self.proposer.method:
                     self.proposer.verified(row.request_id, row.start_pos + len(row.token_ids) + n_acc)
             want = row.request.params.logprobs
             if want is not None:

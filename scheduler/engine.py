@@ -131,6 +131,8 @@ class AsyncEngine:
         """The live speculation configuration and acceptance (the fields of GET /v1/speculation)."""
         return {
             **self.scheduler.speculation_settings(),
+            # An EAGLE head's directory, draft vocabulary and training record (runners that serve one).
+            "draft_head": getattr(self.executor, "draft_head", None),
             "spec_enabled": self.recorder.last_step_speculated,
             **self.recorder.acceptance(),
             "requests_running": self.num_running,

@@ -98,7 +98,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 PHASES = ("prefill", "draft", "verify", "decode")
 MODES = ("spec", "plain")
-SPEC_METHODS = ("ngram", "suffix", "draft_model", "prediction")
+SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "prediction")
 
 
 class MetricsObserver:

@@ -40,7 +40,7 @@ Rule (documented in README, "How `auto` decides"):
   Predicted Outputs) makes a *shadow* draft for it, which the row's next
   emitted tokens confirm or refute at no verify cost, so acceptance that
   jumps (a request starts quoting) is seen within a step or two. A draft
-  model cannot shadow for free: its rows probe with one draft token after
+  model or an EAGLE head cannot shadow for free: its rows probe with one draft token after
   `probe_interval` plain steps (doubling to 64 while probes fail).
 * `spec_disable_batch_size` is the operator's hard cap: with more running
   requests, auto rows run the plain path. None (the default): no cap.
@@ -55,6 +55,8 @@ from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.types import MAX_SPEC_TOKENS, Request
 
 MODEL_FREE_PROPOSERS = ("ngram", "prediction", "suffix")
+# Proposers that draft with forwards on the device: each draft position costs one more forward.
+DEVICE_PROPOSERS = ("draft_model", "eagle")
 PRICED_PROPOSERS = ("suffix",)  # their drafts carry per-token probabilities
 # Per-token probabilities of the drafts the proposer would make now for these requests (at most
 # k tokens each): the runner's answer to the policy while it plans a step.
@@ -222,7 +224,7 @@ class TokenCalibration:
 @dataclass
 class SpecPolicy:
     config: SpecConfig
-    proposer: str  # the engine's proposer method: "ngram", "draft_model" or "none"
+    proposer: str  # the engine's proposer method: "ngram", "suffix", "draft_model", "eagle" or "none"
     cost: StepCostModel = field(default_factory=StepCostModel)
     tokens: TokenCalibration = field(default_factory=TokenCalibration)
     preview: Preview | None = None  # set when the proposer prices its drafts
@@ -330,7 +332,7 @@ class SpecPolicy:
         plain_tokens = len(requests) + prefill.num_tokens  # the step without drafts
         tokens = plain_tokens + forced
         already_spec = forced > 0
-        draft_positions = max((k for k, r in zip(ks, requests) if self.method_of(r) == "draft_model"), default=0)
+        draft_positions = max((k for k, r in zip(ks, requests) if self.method_of(r) in DEVICE_PROPOSERS), default=0)
         cost = self.cost
         if cost.is_fitted:
             decode_context = sum(r.num_computed_tokens + 1 for r in requests) + forced
@@ -347,12 +349,12 @@ class SpecPolicy:
             if budget <= 0:
                 break
             extra = cost.marginal_token_cost(tokens) if cost.is_fitted else 0.02
-            if self.method_of(requests[i]) == "draft_model" and chosen[i] + 1 > draft_positions:
+            if self.method_of(requests[i]) in DEVICE_PROPOSERS and chosen[i] + 1 > draft_positions:
                 extra += draft_cost
             if gain * seconds <= extra * expected:
                 break
             chosen[i] += 1
-            if self.method_of(requests[i]) == "draft_model":
+            if self.method_of(requests[i]) in DEVICE_PROPOSERS:
                 draft_positions = max(draft_positions, chosen[i])
             expected += gain
             seconds += extra

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from scheduler.cost_model import StepShape
 from scheduler.kv_blocks import BlockPool, block_key, blocks_for
-from scheduler.policy import Preview, SpecConfig, SpecPolicy, StepPlan
+from scheduler.policy import DEVICE_PROPOSERS, Preview, SpecConfig, SpecPolicy, StepPlan
 from scheduler.types import (
     Batch,
     FinishReason,
@@ -87,7 +87,7 @@ class StepCheck:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, proposer: str = "ngram", preview: Preview | None = None):
-        """`proposer`: the runner's proposer method ("ngram", "suffix", "draft_model" or "none");
+        """`proposer`: the runner's proposer method ("ngram", "suffix", "draft_model", "eagle" or "none");
         `preview`: the runner's priced drafts, for a proposer that gives them (see SpecPolicy)."""
         self.config = config
         self.proposer = proposer
@@ -385,12 +385,12 @@ class Scheduler:
 
     def _observe_step(self, batch: Batch, output: StepOutput, seconds: float) -> None:
         drafts = [out.num_draft_tokens for out in output.rows]
-        draft_model = [out.num_draft_tokens for out in output.rows if out.method == "draft_model"]
+        device_drafts = [out.num_draft_tokens for out in output.rows if out.method in DEVICE_PROPOSERS]
         shape = StepShape(
             num_tokens=sum(len(row.token_ids) for row in batch.rows) + sum(drafts),
             num_context=sum(row.start_pos + len(row.token_ids) + k for row, k in zip(batch.rows, drafts)),
             is_spec=any(drafts),
-            num_draft_forwards=max(draft_model, default=0),
+            num_draft_forwards=max(device_drafts, default=0),
         )
         emitted = sum(
             len(out.token_ids)

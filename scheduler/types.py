@@ -239,8 +239,8 @@ class RowOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    # Proposer that drafted for this row this step: "ngram", "draft_model",
-    # "prediction"; None when the row did not speculate.
+    # Proposer that drafted for this row this step: "ngram", "suffix", "draft_model",
+    # "eagle", "prediction"; None when the row did not speculate.
     method: str | None = None
     error: str | None = None
     # The shadow draft asked for by `ScheduledRow.num_shadow_tokens` (not verified).

@@ -32,7 +32,7 @@ logger = logging.getLogger("specd.server")
 
 # Settings that `generate` shares with `serve`.
 GENERATE_SETTINGS = (
-    "model", "draft", "draft_model", "num_speculative_tokens", "dtype", "device", "cache_dir",
+    "model", "draft", "draft_model", "draft_head", "num_speculative_tokens", "dtype", "device", "cache_dir",
     "max_model_len", "revision", "trust_remote_code", "log_level",
 )  # fmt: skip
 

@@ -26,6 +26,8 @@ DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 # Default KV memory: what 16 sequences of max_model_len held when each had a fixed slot.
 DEFAULT_KV_SEQUENCES = 16
+# The EAGLE head `--draft eagle` serves the bundled model with when no --draft-head is given.
+DEFAULT_HEAD_DIR = Path(__file__).resolve().parents[1] / "models" / "heads" / "smollm2-135m-instruct"
 
 CommaList = Annotated[list[str], NoDecode]
 _BYTES = TypeAdapter(ByteSize)
@@ -84,21 +86,28 @@ class Settings(BaseSettings):
     trust_remote_code: bool = Field(False, description="Allow model code from the Hub repository to run.")
 
     # -- speculation --
-    draft: Literal["ngram", "suffix", "draft_model", "none"] | None = Field(
+    draft: Literal["ngram", "suffix", "draft_model", "eagle", "none"] | None = Field(
         None,
         description="Proposer: ngram (prompt lookup), suffix (suffix decoding: drafts from this request and "
-        "earlier outputs of its tenant, priced by frequency), draft_model, or none "
-        "(default: draft_model if --draft-model, else ngram).",
+        "earlier outputs of its tenant, priced by frequency), draft_model, eagle (a one-layer draft head over "
+        "the target's own hidden states, --draft-head), or none "
+        "(default: draft_model if --draft-model, eagle if --draft-head, else ngram).",
     )
     draft_model: str | None = Field(
         None, description="Hub id or directory of a draft model sharing the target's tokenizer."
+    )
+    draft_head: Path | None = Field(
+        None,
+        description="--draft eagle: directory of a draft head trained for this target (`specd train-draft`); "
+        "a head made for another model is refused at start-up. Default: the bundled head "
+        "(models/heads/smollm2-135m-instruct/) when serving the bundled model and it exists.",
     )
     num_speculative_tokens: int | None = Field(
         None,
         ge=0,
         le=MAX_SPEC_TOKENS,
         description="Draft tokens per verify step (K): exact for speculation=true requests, the ceiling of adaptive K "
-        "for auto ones (default: 10 with ngram, 4 with a draft model).",
+        "for auto ones (default: 10 with ngram, 4 with a draft model, 5 with an EAGLE head).",
     )
 
     spec_disable_batch_size: int | None = Field(
@@ -183,18 +192,37 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.draft == "draft_model" and not self.draft_model:
             raise ValueError("--draft draft_model needs --draft-model")
+        if self.draft == "eagle" and not self.draft_head:
+            if self.model is not None:
+                raise ValueError("--draft eagle needs --draft-head DIR (a head trained for --model)")
+            if not DEFAULT_HEAD_DIR.is_dir():
+                raise ValueError(
+                    f"--draft eagle needs --draft-head DIR: the bundled model's default head ({DEFAULT_HEAD_DIR}) "
+                    "does not exist (`specd train-draft` makes one)"
+                )
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs")
         return self
 
     # -- resolved values: `resolved_<field>` is <field> with its default filled in --
     @property
+    def resolved_draft(self) -> str:
+        """The proposer: --draft, else what --draft-model or --draft-head imply, else ngram."""
+        return self.draft or ("draft_model" if self.draft_model else "eagle" if self.draft_head else "ngram")
+
+    @property
+    def resolved_draft_head(self) -> Path | None:
+        if self.resolved_draft != "eagle":
+            return None
+        return self.draft_head or DEFAULT_HEAD_DIR
+
+    @property
     def resolved_num_speculative_tokens(self) -> int:
-        """K: prompt lookup drafts are free to propose, a draft model's cost a forward each."""
+        """K: prompt lookup drafts are free to propose, a draft model's cost a forward each, and
+        a head's a forward of one layer (its acceptance decays with depth: it chains its own guesses)."""
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
-        uses_draft_model = self.draft == "draft_model" or (self.draft is None and self.draft_model)
-        return 4 if uses_draft_model else 10
+        return {"draft_model": 4, "eagle": 5}.get(self.resolved_draft, 10)
 
     @property
     def resolved_max_num_batched_tokens(self) -> int:

@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from tests.support.cycle import CycleText, build_cycle_model  # noqa: E402
-from tests.support.tiny_models import build_draft_from, build_tiny_model  # noqa: E402
+from tests.support.tiny_models import build_draft_from, build_head, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +29,12 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 def tiny_draft_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     """The tiny Llama with only its first layer: same tokenizer, a cheap, weak draft."""
     return build_draft_from(tiny_llama_dir, tmp_path_factory.mktemp("models") / "tiny-llama-draft")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """An untrained, perturbed EAGLE head for the tiny Llama (`build_head`), drafting over every token."""
+    return build_head(tiny_llama_dir, tmp_path_factory.mktemp("heads") / "tiny-llama")
 
 
 @pytest.fixture(scope="session")

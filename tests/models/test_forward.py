@@ -183,3 +183,42 @@ def test_long_prefill_among_scattered_decode_rows_matches_hf(model_dir):
     torch.testing.assert_close(logits[0], a[-1], atol=TOL, rtol=0)
     torch.testing.assert_close(logits[1:41], b, atol=TOL, rtol=0)
     torch.testing.assert_close(logits[41], c[-1], atol=TOL, rtol=0)
+
+
+def test_forward_with_hidden_gives_the_same_logits_and_the_final_hidden_states(model_dir):
+    """The EAGLE path: the base model once, the lm_head on the kept rows only. Its logits
+    equal `forward_step`'s, it writes the same KV, and its hidden states are HF's last
+    (post-norm) hidden states of every packed token."""
+    from models.forward import forward_with_hidden
+    from models.kv_cache import LayoutPlan
+    from models.transfer import HostBuffer
+
+    ref, ours, cache = _models(model_dir)
+    other = new_cache(ours)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 30, 4)]
+    step1 = [s[:-1] for s in seqs]
+    packed_forward(ours, cache, tables(3, 0, 1), [0, 0, 0], step1, [0])
+    packed_forward(ours, other, tables(3, 0, 1), [0, 0, 0], step1, [0])
+    # A decode row, a verify-like row and a prefill row from position 0 (a row of its own).
+    rows = [seqs[0][-1:], seqs[1][-1:] + [7, 8, 9], seqs[2]]
+    starts = [len(seqs[0]) - 1, len(seqs[1]) - 1, 0]
+    keep = [0, 2, 4, 5, 8]
+    expected = packed_forward(ours, cache, tables(3, 0, 2), starts, rows, keep)
+    buf = HostBuffer()
+    plan = LayoutPlan.build(tables(3, 0, 2), starts, [len(r) for r in rows], BLOCK)
+    plan.add_to(buf, "layout")
+    buf.ints("input_ids", [t for r in rows for t in r])
+    buf.ints("keep", keep)
+    arrays = buf.upload(torch.device("cpu"))
+    layout = plan.resolve(arrays, "layout")
+    logits, hidden = forward_with_hidden(ours, other, layout, arrays["input_ids"], arrays["keep"])
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    assert hidden.shape == (sum(len(r) for r in rows), ours.config.hidden_size)
+    with torch.inference_mode():
+        full = [ref.model(torch.tensor([s])).last_hidden_state[0] for s in (seqs[0], seqs[1][:-1] + rows[1], seqs[2])]
+    torch.testing.assert_close(hidden[0], full[0][-1], atol=TOL, rtol=0)
+    torch.testing.assert_close(hidden[1:5], full[1][-4:], atol=TOL, rtol=0)
+    torch.testing.assert_close(hidden[5:], full[2], atol=TOL, rtol=0)
+    for layer in range(len(cache.keys)):
+        torch.testing.assert_close(cache.keys[layer], other.keys[layer], atol=1e-6, rtol=0)

@@ -24,12 +24,13 @@ PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E 
 
 
 def make_runner(model_dir: Path, method: str = "ngram", draft: Path | None = None) -> ModelRunner:
+    """`draft`: the draft model's directory, or with method eagle the head's."""
     target = load_model(ModelConfig(str(model_dir), dtype="float32", device="cpu"))
-    return build_runner(
-        target,
-        RunnerConfig(max_num_seqs=SLOTS, max_model_len=MAX_LEN, block_size=BLOCK),
-        ProposerConfig(method, str(draft) if draft else None),
-    )
+    if method == "eagle":
+        proposer = ProposerConfig(method, draft_head=str(draft))
+    else:
+        proposer = ProposerConfig(method, str(draft) if draft else None)
+    return build_runner(target, RunnerConfig(max_num_seqs=SLOTS, max_model_len=MAX_LEN, block_size=BLOCK), proposer)
 
 
 SLOTS, MAX_LEN, BLOCK = 4, 256, 16  # make_runner's pool: 4 x 256 positions in blocks of 16
@@ -141,13 +142,17 @@ def test_draft_kv_after_rejections_and_plain_steps_equals_a_fresh_prefill(tiny_l
         ("ngram", 6, {}),
         ("ngram", 6, {"logprobs": 3, "presence_penalty": 0.5, "logit_bias": {5: 1.0}}),
         ("draft_model", 3, {"temperature": 0.7, "top_p": 0.9}),
+        ("eagle", 3, {"temperature": 0.7, "top_p": 0.9, "presence_penalty": 0.5}),
     ],
-    ids=["plain", "ngram-verify", "verify-logprobs-penalties", "draft-model-sampled"],
+    ids=["plain", "ngram-verify", "verify-logprobs-penalties", "draft-model-sampled", "eagle-sampled"],
 )
-def test_a_step_uploads_once_and_downloads_once(tiny_llama_dir, tiny_draft_dir, monkeypatch, method, k, params):
+def test_a_step_uploads_once_and_downloads_once(
+    tiny_llama_dir, tiny_draft_dir, tiny_llama_head_dir, monkeypatch, method, k, params
+):
     """Every host->device and device->host crossing of a step goes through
     `models.transfer`, once each way, whatever the step does."""
-    runner = make_runner(tiny_llama_dir, method, tiny_draft_dir if method == "draft_model" else None)
+    draft = {"draft_model": tiny_draft_dir, "eagle": tiny_llama_head_dir}.get(method)
+    runner = make_runner(tiny_llama_dir, method, draft)
     tok = runner.target.tokenizer
     reqs = [
         running(f"t{i}", tok(p * 3).input_ids, i, seed=i, **({"temperature": 0} | params))

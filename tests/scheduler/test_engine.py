@@ -144,10 +144,27 @@ def smollm2(specd_cache_dir):
     return target, reference
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_smollm2_greedy_matches_hf_generate(smollm2, method):
+@pytest.fixture(scope="module")
+def smollm2_head(smollm2, tmp_path_factory):
+    """A freshly initialised EAGLE head for SmolLM2 (the bundled one may not exist yet), perturbed so
+    its drafts depend on the features; losslessness needs no training."""
+    from models.eagle_head import new_head, save_head
+
+    target, _ = smollm2
+    head = new_head(target.model, torch.arange(8192))  # the most frequent ids are among the first (BPE merges)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        head.fc.weight.add_(torch.randn(head.fc.weight.shape, generator=generator) * 0.02)
+    path = tmp_path_factory.mktemp("heads") / "smollm2"
+    save_head(head, path, dtype=torch.float32)
+    return path
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "eagle"])
+def test_smollm2_greedy_matches_hf_generate(smollm2, smollm2_head, method):
     target, reference = smollm2
-    runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=512), ProposerConfig(method))
+    proposer = ProposerConfig(method, draft_head=str(smollm2_head) if method == "eagle" else None)
+    runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=512), proposer)
     config = sched_config(target, num_speculative_tokens=4)
     tok = target.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]

@@ -25,11 +25,19 @@ def target(tiny_llama_dir):
     return load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu"))
 
 
-def engine_parts(target, num_kv_blocks=None, prefix_caching=True, max_num_seqs=4):
+@pytest.fixture(params=["ngram", "eagle"])
+def proposer(request, tiny_llama_head_dir) -> ProposerConfig:
+    """Prompt lookup, or an EAGLE head: its features and KV follow the same blocks."""
+    if request.param == "eagle":
+        return ProposerConfig("eagle", draft_head=str(tiny_llama_head_dir))
+    return ProposerConfig("ngram")
+
+
+def engine_parts(target, proposer, num_kv_blocks=None, prefix_caching=True, max_num_seqs=4):
     runner = build_runner(
         target,
         RunnerConfig(max_num_seqs=4, max_model_len=256, block_size=BLOCK, num_kv_blocks=num_kv_blocks),
-        ProposerConfig("ngram"),
+        proposer,
     )
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -49,12 +57,12 @@ def request(target, rid: str, text: str, max_tokens: int = 24, speculation=True)
     return Request(rid, target.tokenizer(text).input_ids, params)
 
 
-def staggered(target, prefix_caching: bool) -> dict[str, Completion]:
+def staggered(target, proposer, prefix_caching: bool) -> dict[str, Completion]:
     """Two long requests decode; then, mid-batch, requests that share their prompts'
     prefixes arrive: whole blocks of it, a prefix ending inside a block, and all of it."""
 
     async def main() -> dict[str, Completion]:
-        runner, config = engine_parts(target, prefix_caching=prefix_caching)
+        runner, config = engine_parts(target, proposer, prefix_caching=prefix_caching)
         engine = AsyncEngine(runner, config, inline=True)
         await engine.start()
         try:
@@ -76,9 +84,9 @@ def staggered(target, prefix_caching: bool) -> dict[str, Completion]:
     return asyncio.run(main())
 
 
-def test_cache_hits_mid_batch_give_the_same_tokens_as_no_caching(target):
-    cached = staggered(target, prefix_caching=True)
-    fresh = staggered(target, prefix_caching=False)
+def test_cache_hits_mid_batch_give_the_same_tokens_as_no_caching(target, proposer):
+    cached = staggered(target, proposer, prefix_caching=True)
+    fresh = staggered(target, proposer, prefix_caching=False)
     for rid in "abcde":
         assert cached[rid].token_ids == fresh[rid].token_ids, rid
         assert fresh[rid].num_cached_tokens == 0
@@ -89,11 +97,11 @@ def test_cache_hits_mid_batch_give_the_same_tokens_as_no_caching(target):
     assert cached["a"].num_draft_tokens > 0 and cached["c"].num_draft_tokens > 0  # speculation did run
 
 
-def test_preemption_under_a_tiny_pool_keeps_every_token(target):
+def test_preemption_under_a_tiny_pool_keeps_every_token(target, proposer):
     prompts = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G", "for i in range(10):\n"]
 
     async def main(num_kv_blocks):
-        runner, config = engine_parts(target, num_kv_blocks=num_kv_blocks)
+        runner, config = engine_parts(target, proposer, num_kv_blocks=num_kv_blocks)
         engine = AsyncEngine(runner, config, inline=True)
         await engine.start()
         try:

@@ -20,10 +20,12 @@ SAMPLING_EXTRAS = dict(
 )
 
 
-def runner_for(model_dir, method, draft=None, max_num_seqs=4):
+def runner_for(model_dir, method, draft=None, max_num_seqs=4, draft_head=None):
     target = load_model(ModelConfig(str(model_dir), dtype="float32", device="cpu"))
     runner = build_runner(
-        target, RunnerConfig(max_num_seqs=max_num_seqs, max_model_len=256), ProposerConfig(method, draft)
+        target,
+        RunnerConfig(max_num_seqs=max_num_seqs, max_model_len=256),
+        ProposerConfig(method, draft, draft_head=draft_head),
     )
     return target, runner
 
@@ -55,11 +57,14 @@ def requests(tokenizer, tag, speculation, n=32, predictions=None, **params):
     return out
 
 
-@pytest.fixture(params=["ngram", "suffix", "draft_weak", "draft_self"])
-def proposer(request, tiny_llama_dir, tiny_draft_dir):
-    """ngram; suffix decoding; a 1-layer draft (mostly rejected); the target as its own draft (always accepted)."""
+@pytest.fixture(params=["ngram", "suffix", "draft_weak", "draft_self", "eagle"])
+def proposer(request, tiny_llama_dir, tiny_draft_dir, tiny_llama_head_dir):
+    """ngram; suffix decoding; a 1-layer draft (mostly rejected); the target as its own draft (always
+    accepted); an untrained EAGLE head (tests/models/test_eagle.py has more)."""
     if request.param in ("ngram", "suffix"):
         return runner_for(tiny_llama_dir, request.param)
+    if request.param == "eagle":
+        return runner_for(tiny_llama_dir, "eagle", draft_head=str(tiny_llama_head_dir))
     return runner_for(
         tiny_llama_dir, "draft_model", tiny_draft_dir if request.param == "draft_weak" else tiny_llama_dir
     )

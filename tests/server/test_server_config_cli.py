@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,7 +68,8 @@ def test_every_setting_is_a_flag_with_help_and_fault_injection_is_hidden(capsys)
         else:
             assert flag in help_text and f"SPECD_{name.upper()}" in help_text, name
     for flag in ("--config", "--host", "--port", "--model", "--served-model-name", "--draft-model", "--draft",
-                 "--num-speculative-tokens", "--spec-disable-batch-size", "--max-num-seqs", "--max-model-len",
+                 "--draft-head", "--num-speculative-tokens", "--spec-disable-batch-size", "--max-num-seqs",
+                 "--max-model-len",
                  "--max-queue", "--api-key", "--dtype", "--device", "--log-level", "--cache-dir",
                  "--max-num-batched-tokens", "--max-body-bytes", "--metrics-auth", "--allowed-origins",
                  "--shutdown-timeout"):  # fmt: skip
@@ -137,6 +139,40 @@ def test_speculative_tokens_default_depends_on_the_proposer():
     assert Settings(draft_model="some/draft").resolved_num_speculative_tokens == 4  # each draft token is a forward
     assert Settings(draft="draft_model", draft_model="d").resolved_num_speculative_tokens == 4
     assert Settings(draft_model="d", num_speculative_tokens=6).resolved_num_speculative_tokens == 6
+    assert Settings(draft_head="h").resolved_num_speculative_tokens == 5  # a head's forward is one layer
+
+
+def test_eagle_needs_a_head_unless_the_bundled_model_has_one(clean_env, tmp_path):
+    import server.config
+
+    with pytest.raises(ValueError, match="--draft eagle needs --draft-head DIR"):
+        Settings(draft="eagle", model="some/model")
+    clean_env.setattr(server.config, "DEFAULT_HEAD_DIR", tmp_path / "missing")
+    with pytest.raises(ValueError, match="default head .* does not exist"):
+        Settings(draft="eagle")
+    clean_env.setattr(server.config, "DEFAULT_HEAD_DIR", tmp_path)
+    assert Settings(draft="eagle").resolved_draft_head == tmp_path  # the bundled model, and its head exists
+    assert Settings(draft_head="h").resolved_draft == "eagle" and Settings().resolved_draft_head is None
+    assert Settings(draft="eagle", model="m", draft_head="h").resolved_draft_head == Path("h")
+
+
+def test_a_head_for_another_model_is_refused_at_start_up_with_the_reason(tiny_qwen2_dir, tiny_llama_head_dir):
+    """`generate` builds what `serve` builds: a clean error and exit 1, not a traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
+    args = ["generate", "Hello", "--model", str(tiny_qwen2_dir), "--draft", "eagle", "--draft-head",
+            str(tiny_llama_head_dir), "--dtype", "float32", "--device", "cpu", "--max-tokens", "2"]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "server.cli", *args],
+        cwd=REPO,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert "specd: error: the draft head in" in result.stderr
+    assert "trained for another model: architecture is 'Qwen2ForCausalLM'" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_spec_cap_defaults_to_none_and_is_taken_as_given():

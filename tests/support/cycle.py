@@ -57,6 +57,33 @@ def build_cycle_model(tiny_dir: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def build_cycle_head(cycle_dir: Path, out_dir: Path, leave_out: tuple[int, ...] = ()) -> Path:
+    """An EAGLE head that drafts the cycle model's continuation exactly, except that tokens in
+    `leave_out` are outside its draft vocabulary (a draft that should be one of them is wrong).
+
+    fc passes the token's embedding through (g_p ~ embed(x_{p+1}) = e_i, the layer adds
+    nothing), and the target's lm_head maps e_i to the token after x_{p+1}: x_{p+2}.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.eagle_head import new_head, save_head
+
+    model = AutoModelForCausalLM.from_pretrained(cycle_dir, dtype=torch.float32)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    head = new_head(model, torch.tensor([t for t in range(vocab) if t not in leave_out]))
+    hidden = head.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        # [embed(x_{p+1}) ; h_p] -> embed(x_{p+1}) scaled as the target's RMSNorm scales it (by
+        # sqrt(hidden)), so the head's logits have the target's margin and sampled drafts are right too.
+        head.fc.weight[:, :hidden] = hidden**0.5 * torch.eye(hidden)
+        head.layer.self_attn.o_proj.weight.zero_()
+        head.layer.mlp.down_proj.weight.zero_()
+    save_head(head, out_dir, dtype=torch.float32)
+    return out_dir
+
+
 class CycleText:
     """The exact text the cycle model writes after a prompt ending in a cycle token."""
 

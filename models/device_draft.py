@@ -1,0 +1,183 @@
+"""Proposers that draft on the device: K batched forwards per step (a draft model, an EAGLE head).
+
+For the speculating rows, the first forward catches the proposer up with
+everything the target has accepted since its last step (its own stale
+positions, e.g. rejected drafts, are simply overwritten), the next K - 1 feed
+one drafted token each. Drafts are sampled from q, the proposer's distribution
+after the same processing as the target's (temperature, top-k/p, min-p,
+penalties, logit bias), so the rejection sampler stays lossless.
+
+Everything the K forwards need from the host is known before the first one
+(`plan` adds it to the step's one upload); drafted tokens stay on the device
+and feed the next forward and the target's verify directly. Subclasses say
+what the catch-up feeds and run the forwards (`_first_logits`, `_next_logits`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from models.forward import last_token_index
+from models.kv_cache import LayoutPlan, StepLayout
+from models.sampling import (
+    STREAM_DRAFT,
+    SamplingTensors,
+    greedy_ids,
+    plan_penalty_counts,
+    process_logits,
+    resolve_penalty_counts,
+    sample_from_probs,
+    uniform_noise,
+)
+from models.transfer import DeviceArrays, HostBuffer
+from scheduler.types import Request
+
+
+@dataclass
+class DraftPlan:
+    """Host side of one step's K draft forwards. R rows, each drafting num_tokens[i] >= 1."""
+
+    prefix: str
+    requests: list[Request]
+    num_tokens: list[int]
+    active: list[list[int]]  # per draft position j: rows still drafting
+    layouts: list[LayoutPlan]
+    fed_after: list[int]  # per row: positions the proposer holds once the forwards ran
+    any_sampled: bool
+    penalties: bool
+
+    @property
+    def k_max(self) -> int:
+        return len(self.active)
+
+
+@dataclass
+class DeviceDraft:
+    token_ids: torch.Tensor  # [R, k_max] int64; positions >= num_tokens[i] are padding
+    probs: torch.Tensor | None  # [R, k_max, V] q (zero past a row's k); None when every row is greedy
+
+
+class DeviceProposer(ABC):
+    """The plan and the K-forward loop; a subclass supplies the catch-up feed and the forwards.
+
+    Its own KV uses the same block ids as the target's pool, so a request's
+    block table serves both, and a preemption (which frees the blocks) reaches
+    it through `free`.
+    """
+
+    method: str
+    # [pool rows, H]: the target's last hidden state of every position, in the KV pool's
+    # layout, written by the runner after each target forward; None: not wanted.
+    features: torch.Tensor | None = None
+
+    def __init__(self, vocab_size: int, block_size: int):
+        self.vocab_size = vocab_size  # the target's: q must live in p's vocabulary
+        self.block_size = block_size
+        # Positions of each request the proposer's KV holds for accepted tokens.
+        self._computed: dict[str, int] = {}
+
+    def free(self, request_id: str) -> None:
+        self._computed.pop(request_id, None)
+
+    def verified(self, request_id: str, num_valid: int) -> None:
+        """The target kept positions < num_valid: later positions hold rejected drafts."""
+        if request_id in self._computed:
+            self._computed[request_id] = min(self._computed[request_id], num_valid)
+
+    # -- what a subclass decides --
+    @abstractmethod
+    def _catch_up(self, request: Request) -> tuple[int, list[int]]:
+        """(first position, tokens) of the first forward's feed for `request` (at least one token)."""
+
+    @abstractmethod
+    def _fed_after(self, request: Request, start: int, feed: list[int], k: int) -> int:
+        """Positions whose KV is right once the forwards ran, if the drafts are accepted."""
+
+    @abstractmethod
+    def _first_logits(self, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The catch-up forward: packed feeds -> logits `[R, V]` at each row's last token."""
+
+    @abstractmethod
+    def _next_logits(self, layout: StepLayout, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """One drafted token for each of `rows` (indices of the plan's rows) -> logits `[len(rows), V]`."""
+
+    # -- the plan and the loop --
+    def plan(self, requests: list[Request], num_tokens: list[int], buf: HostBuffer, prefix: str = "draft") -> DraftPlan:
+        assert requests and all(k > 0 for k in num_tokens)
+        catch_up = [self._catch_up(r) for r in requests]
+        starts = [start for start, _ in catch_up]
+        feeds = [feed for _, feed in catch_up]
+        tables = [r.block_ids for r in requests]
+        active, layouts = [], []
+        for j in range(max(num_tokens)):
+            rows = [i for i, k in enumerate(num_tokens) if k > j]
+            if j == 0:
+                layout = LayoutPlan.build(tables, starts, [len(f) for f in feeds], self.block_size)
+            else:
+                positions = [starts[i] + len(feeds[i]) + j - 1 for i in rows]
+                layout = LayoutPlan.build([tables[i] for i in rows], positions, [1] * len(rows), self.block_size)
+            layout.add_to(buf, f"{prefix}.{j}")
+            buf.ints(f"{prefix}.{j}.active", rows)
+            active.append(rows)
+            layouts.append(layout)
+        buf.ints(f"{prefix}.input", [t for feed in feeds for t in feed])
+        buf.ints(f"{prefix}.keep", last_token_index(feeds))
+        buf.ints(f"{prefix}.out_len", [len(r.output_ids) for r in requests])
+        params = [r.params for r in requests]
+        SamplingTensors.plan(params, self.vocab_size, buf, f"{prefix}.s")
+        penalties = plan_penalty_counts(requests, buf, prefix)
+        return DraftPlan(
+            prefix=prefix,
+            requests=requests,
+            num_tokens=num_tokens,
+            active=active,
+            layouts=layouts,
+            fed_after=[self._fed_after(r, s, f, k) for r, s, f, k in zip(requests, starts, feeds, num_tokens)],
+            any_sampled=not all(p.is_greedy for p in params),
+            penalties=penalties,
+        )
+
+    @torch.inference_mode()
+    def run(self, plan: DraftPlan, arrays: DeviceArrays) -> DeviceDraft:
+        """The K draft forwards, on the device, with no host transfer."""
+        p, vocab = plan.prefix, self.vocab_size
+        num_rows = len(plan.requests)
+        params = [r.params for r in plan.requests]
+        st = SamplingTensors.resolve(params, vocab, arrays, f"{p}.s")
+        counts = prompt_mask = None
+        if plan.penalties:
+            counts, prompt_mask = resolve_penalty_counts(num_rows, vocab, arrays, p)
+        out_len = arrays[f"{p}.out_len"]
+        device = out_len.device
+        drafted = torch.zeros(num_rows, plan.k_max, dtype=torch.long, device=device)
+        q = torch.zeros(num_rows, plan.k_max, vocab, device=device) if plan.any_sampled else None
+        for j, rows in enumerate(plan.active):
+            index = arrays[f"{p}.{j}.active"]
+            layout = plan.layouts[j].resolve(arrays, f"{p}.{j}")
+            if j == 0:
+                logits = self._first_logits(layout, arrays[f"{p}.input"], arrays[f"{p}.keep"])
+            else:
+                logits = self._next_logits(layout, index, drafted[index, j - 1])
+            logits = logits[:, None]  # [rows, 1, V]
+            st_j = st if len(rows) == num_rows else st.take(index, [params[i] for i in rows])
+            counts_j = None if counts is None else counts[index]
+            mask_j = None if prompt_mask is None else prompt_mask[index]
+            if st_j.all_greedy:  # q is one-hot on the argmax: the draft token says it all
+                tokens = greedy_ids(logits, st_j, counts_j, mask_j)[:, 0]
+                if q is not None:
+                    q[index, j] = torch.nn.functional.one_hot(tokens, vocab).to(q.dtype)
+            else:
+                probs = process_logits(logits, st_j, counts_j, mask_j, None)  # [rows, 1, V]
+                u = uniform_noise(st_j.seeds, (out_len[index] + j)[:, None], STREAM_DRAFT)
+                tokens = sample_from_probs(probs, u)[:, 0]
+                assert q is not None  # allocated whenever a row samples
+                q[index, j] = probs[:, 0]
+            drafted[index, j] = tokens
+            if counts is not None:
+                counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=counts.dtype), accumulate=True)
+        for request, fed in zip(plan.requests, plan.fed_after):
+            self._computed[request.request_id] = fed
+        return DeviceDraft(drafted, q)

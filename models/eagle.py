@@ -1,0 +1,99 @@
+"""EAGLE proposer: drafts with a one-layer head over the target's own features (`models.eagle_head`).
+
+Head position p reads the target's last hidden state h_p and the token x_{p+1};
+its output g_p approximates h_{p+1}, and its logits predict x_{p+2}.
+
+Features come from the target's forward, never an extra one: after every
+target forward the runner stores each packed token's h in the feature pool
+(`features`, the KV pool's block layout: one row per KV row), so positions
+< num_computed_tokens always hold accepted tokens' features. Rejected drafts'
+rows are overwritten later, like their KV (O(1) rollback), and a prefix-cache
+hit brings the features its blocks got when they were computed.
+
+A step, per speculating row: the catch-up forward feeds every position the
+head has not computed since its last step (features gathered from the pool,
+tokens one ahead); its last g gives draft 1. Each of the K - 1 chained
+forwards feeds the previous g back as the feature, with the previous draft.
+Chained positions ran on predicted features, so the next step recomputes them
+from the target's. q is -inf outside the head's draft vocabulary (exactly 0
+there), so the rejection sampler stays lossless.
+
+The head's one-layer KV uses the target's block ids. A block shared through
+the prefix cache gets each sharer's catch-up writes; at its last position the
+head also reads the token after the block, which sharers may differ in, so
+only draft quality (never output) can differ.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from models.device_draft import DeviceDraft, DeviceProposer, DraftPlan
+from models.eagle_head import EagleHead, HeadConfig
+from models.forward import laid_out
+from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, StepLayout
+from models.transfer import DeviceArrays
+from scheduler.types import Request
+
+
+class EagleProposer(DeviceProposer):
+    method = "eagle"
+
+    def __init__(self, head: EagleHead, head_dir: Path, num_blocks: int, block_size: int, vocab_size: int):
+        super().__init__(vocab_size, block_size)
+        self.head = head
+        self.head_dir = Path(head_dir)
+        weight = head.fc.weight
+        llama = head.config.llama_config(ATTN_IMPLEMENTATION)
+        self.cache = KVCache.for_model(llama, num_blocks, block_size, weight.dtype, weight.device)
+        self.features = torch.zeros(
+            num_blocks * block_size, head.config.hidden_size, dtype=weight.dtype, device=weight.device
+        )
+        self._g: torch.Tensor | None = None  # [R, H] each row's latest g, during `run`
+
+    @staticmethod
+    def bytes_per_block(config: HeadConfig, block_size: int, dtype: torch.dtype) -> int:
+        """What one KV block costs the head besides the target's KV: its own KV and the features."""
+        kv = KVCache.bytes_per_block(config.llama_config(ATTN_IMPLEMENTATION), block_size, dtype)
+        return kv + block_size * config.hidden_size * dtype.itemsize
+
+    def info(self) -> dict:
+        """The head as GET /v1/speculation shows it."""
+        config = self.head.config
+        return {"path": str(self.head_dir), "draft_vocab_size": config.draft_vocab_size, "training": config.training}
+
+    def run(self, plan: DraftPlan, arrays: DeviceArrays) -> DeviceDraft:
+        try:
+            return super().run(plan, arrays)
+        finally:
+            self._g = None
+
+    def _catch_up(self, request: Request) -> tuple[int, list[int]]:
+        # The last position, num_computed - 1, reads the token the target feeds this step. At least
+        # one position is fed (a row re-run after a failed step has no new one; it is recomputed).
+        computed = request.num_computed_tokens
+        start = min(self._computed.get(request.request_id, 0), computed - 1)
+        return start, request.token_slice(start + 1, computed + 1)
+
+    def _fed_after(self, request: Request, start: int, feed: list[int], k: int) -> int:
+        return request.num_computed_tokens  # chained positions read predicted features: redone next step
+
+    def _first_logits(self, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        assert self.features is not None
+        # The head's positions are the target's, through the same block tables: its
+        # layout's destinations are the feature rows to read.
+        g = self._forward(self.features.index_select(0, layout.token_dest), input_ids, layout)
+        self._g = g.index_select(0, keep)
+        return self.head.full_logits(self._g)
+
+    def _next_logits(self, layout: StepLayout, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        assert self._g is not None
+        g = self._forward(self._g.index_select(0, rows), tokens, layout)
+        self._g.index_copy_(0, rows, g)
+        return self.head.full_logits(g)
+
+    def _forward(self, features: torch.Tensor, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+        with laid_out(self.cache, layout):
+            return self.head(features, input_ids, layout.token_pos, cache=self.cache, specd_layout=layout)
