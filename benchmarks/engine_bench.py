@@ -4,6 +4,7 @@
     python -m benchmarks.engine_bench --section batch --dtypes bfloat16
     python -m benchmarks.engine_bench --section spec --max-tokens 128
     python -m benchmarks.engine_bench --section step --dtypes float32,bfloat16
+    python -m benchmarks.engine_bench --section draft --dtypes auto   # draft head vs n-gram (benchmarks.draft_bench)
 
 Greedy, ignore_eos, so every configuration generates the same number of tokens.
 Every ratio is against a baseline measured in the same run on the same machine.
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import chat_ids, engine_run, hf_run, load, table
+from benchmarks.draft_bench import draft_section
 from benchmarks.make_draft import make_layer_draft
 from benchmarks.prompts import KINDS
 from benchmarks.step_bench import step_section
@@ -126,13 +128,17 @@ def spec_section(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--section", choices=["batch", "spec", "step", "all"], default="all")
+    parser.add_argument(
+        "--section", choices=["batch", "spec", "step", "draft", "all"], default="all", help="[all: all but draft]"
+    )
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to run")
     parser.add_argument("--batch-sizes", default="1,4,8,16")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--model", default=None, help="target model (default: bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--draft-layers", type=int, default=8, help="layers kept in the truncated draft")
+    parser.add_argument("--draft-head", type=Path, default=None, help="draft section: head directory [the bundled one]")
+    parser.add_argument("--prompts-per-set", type=int, default=6, help="draft section: held-out prompts per set")
     parser.add_argument("--json", type=Path, default=None, help="also write the records here")
     args = parser.parse_args()
 
@@ -156,6 +162,12 @@ def main() -> None:
             records += rec
         if args.section in ("spec", "all"):
             text, rec = spec_section(dtype, args.max_tokens, args.model, args.draft_layers, args.device)
+            print(text + "\n", flush=True)
+            records += rec
+        if args.section == "draft":
+            text, rec = draft_section(
+                dtype, args.max_tokens, args.model, args.device, args.draft_head, args.prompts_per_set
+            )
             print(text + "\n", flush=True)
             records += rec
     if args.json:
