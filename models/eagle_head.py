@@ -221,7 +221,9 @@ def save_head(head: EagleHead, out_dir: Path, dtype: torch.dtype = torch.bfloat1
 def read_head_config(head_dir: Path) -> HeadConfig:
     path = Path(head_dir) / CONFIG_FILE
     if not path.is_file():
-        raise HeadMismatch(f"{head_dir} is not a draft head directory (no {CONFIG_FILE}; `specd train-draft` makes one)")
+        raise HeadMismatch(
+            f"{head_dir} is not a draft head directory (no {CONFIG_FILE}; `specd train-draft` writes it)"
+        )
     return HeadConfig.from_json(path.read_text())
 
 
