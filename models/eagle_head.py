@@ -149,6 +149,10 @@ class EagleHead(nn.Module):
     does; without, the tokens are one causal sequence (training).
     """
 
+    embed: nn.Embedding  # the target's (see __init__)
+    draft_vocab: torch.Tensor  # [draft_vocab_size] target token ids
+    lm_head: torch.Tensor  # [draft_vocab_size, H] the target's output rows for them
+
     def __init__(self, config: HeadConfig, embed: nn.Embedding, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor,
                  attn_implementation: str = "sdpa"):  # fmt: skip
         super().__init__()
