@@ -4,6 +4,7 @@
     python -m benchmarks.engine_bench --section batch --dtypes bfloat16
     python -m benchmarks.engine_bench --section spec --max-tokens 128
     python -m benchmarks.engine_bench --section step --dtypes float32,bfloat16
+    python -m benchmarks.engine_bench --section draft --dtypes auto   # draft head vs n-gram (benchmarks.draft_bench)
 
 Greedy, ignore_eos, so every configuration generates the same number of tokens.
 Every ratio is against a baseline measured in the same run on the same machine.
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import chat_ids, engine_run, hf_run, load, table
+from benchmarks.draft_bench import draft_section
 from benchmarks.make_draft import make_layer_draft
 from benchmarks.prompts import KINDS
 from benchmarks.step_bench import step_section
@@ -68,7 +70,7 @@ def batch_section(
 
 
 def spec_section(
-    dtype: str, max_tokens: int, model: str | None, draft_layers: int, device: str, draft_head: str | None = None
+    dtype: str, max_tokens: int, model: str | None, draft_layers: int, device: str, draft_head: Path | None = None
 ) -> tuple[str, list[dict]]:
     target = load(dtype, model, device)
     reference = load(dtype, model, device)
@@ -91,7 +93,7 @@ def spec_section(
                 draft(speculation="auto", name=f"draft {draft_layers}L auto"),
             ]
             if draft_head:
-                eagle = functools.partial(run, "eagle", draft_head=draft_head)
+                eagle = functools.partial(run, "eagle", draft_head=str(draft_head))
                 results += [
                     eagle(speculation=True, k=5, name="eagle K=5"),
                     eagle(speculation="auto", name="eagle auto"),
@@ -132,14 +134,19 @@ def spec_section(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--section", choices=["batch", "spec", "step", "all"], default="all")
+    parser.add_argument(
+        "--section", choices=["batch", "spec", "step", "draft", "all"], default="all", help="[all: all but draft]"
+    )
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to run")
     parser.add_argument("--batch-sizes", default="1,4,8,16")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--model", default=None, help="target model (default: bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--draft-layers", type=int, default=8, help="layers kept in the truncated draft")
-    parser.add_argument("--draft-head", default=None, help="also run --draft eagle with this head directory (spec)")
+    parser.add_argument(
+        "--draft-head", type=Path, default=None, help="spec: also run eagle with this head; draft: the head [bundled]"
+    )
+    parser.add_argument("--prompts-per-set", type=int, default=6, help="draft section: held-out prompts per set")
     parser.add_argument("--json", type=Path, default=None, help="also write the records here")
     args = parser.parse_args()
 
@@ -164,6 +171,12 @@ def main() -> None:
         if args.section in ("spec", "all"):
             text, rec = spec_section(
                 dtype, args.max_tokens, args.model, args.draft_layers, args.device, args.draft_head
+            )
+            print(text + "\n", flush=True)
+            records += rec
+        if args.section == "draft":
+            text, rec = draft_section(
+                dtype, args.max_tokens, args.model, args.device, args.draft_head, args.prompts_per_set
             )
             print(text + "\n", flush=True)
             records += rec

@@ -149,10 +149,9 @@ class EagleHead(nn.Module):
     does; without, the tokens are one causal sequence (training).
     """
 
-    # Not parameters (set in __init__); declared so type checkers see them as what they are.
-    embed: nn.Embedding
-    draft_vocab: torch.Tensor
-    lm_head: torch.Tensor
+    embed: nn.Embedding  # the target's (see __init__)
+    draft_vocab: torch.Tensor  # [draft_vocab_size] target token ids
+    lm_head: torch.Tensor  # [draft_vocab_size, H] the target's output rows for them
 
     def __init__(self, config: HeadConfig, embed: nn.Embedding, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor,
                  attn_implementation: str = "sdpa"):  # fmt: skip
@@ -227,7 +226,7 @@ def read_head_config(head_dir: Path) -> HeadConfig:
     path = Path(head_dir) / CONFIG_FILE
     if not path.is_file():
         raise HeadMismatch(
-            f"{head_dir} is not a draft head directory (no {CONFIG_FILE}; `specd train-draft` makes one)"
+            f"{head_dir} is not a draft head directory (no {CONFIG_FILE}; `specd train-draft` writes it)"
         )
     return HeadConfig.from_json(path.read_text())
 
