@@ -149,6 +149,11 @@ class EagleHead(nn.Module):
     does; without, the tokens are one causal sequence (training).
     """
 
+    # Declared for type checkers: `embed` is set around nn.Module's registry, the others are buffers.
+    embed: nn.Embedding
+    draft_vocab: torch.Tensor
+    lm_head: torch.Tensor
+
     def __init__(self, config: HeadConfig, embed: nn.Embedding, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor,
                  attn_implementation: str = "sdpa"):  # fmt: skip
         super().__init__()
