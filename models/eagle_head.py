@@ -178,15 +178,19 @@ class EagleHead(nn.Module):
 
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, cache=None,
                 **attention_kwargs) -> torch.Tensor:  # fmt: skip
-        """[T, H] features, [T] ids and positions -> g [T, H]."""
+        """[T, H] features, [T] ids and positions -> g [T, H]; or batched, [B, T, H] and [B, T] -> [B, T, H]
+        (training: then pass an `attention_mask`, a [B or 1, 1, T, T] bool, True where a query may attend)."""
+        batched = features.dim() == 3
         x = torch.cat([self.embed(input_ids), features.to(self.fc.weight.dtype)], dim=-1)
-        x = self.fc(x)[None]  # [1, T, H]
-        positions = position_ids[None]
+        x = self.fc(x)
+        positions = position_ids
+        if not batched:
+            x, positions = x[None], position_ids[None]  # [1, T, H]
         cos_sin = self.rotary(x, positions)
         out = self.layer(x, position_ids=positions, cache=cache, use_cache=cache is not None,
                          position_embeddings=cos_sin, **attention_kwargs)  # fmt: skip
         out = out[0] if isinstance(out, tuple) else out
-        return out[0]
+        return out if batched else out[0]
 
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, draft_vocab_size] logits over the draft vocabulary (float32)."""

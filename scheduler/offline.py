@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.engine import AsyncEngine, Executor
@@ -40,14 +41,26 @@ async def collect(engine: AsyncEngine, request: Request) -> Completion:
     return result
 
 
-def run_offline(executor: Executor, config: SchedulerConfig, requests: list[Request]) -> list[Completion]:
-    """Submit all requests at once (one batch where slots allow) and wait for all."""
+def run_offline(
+    executor: Executor,
+    config: SchedulerConfig,
+    requests: list[Request],
+    on_finished: Callable[[Completion], None] | None = None,
+) -> list[Completion]:
+    """Submit all requests at once (one batch where slots allow) and wait for all;
+    `on_finished` sees each completion as it ends (progress for long runs)."""
+
+    async def run_one(engine: AsyncEngine, request: Request) -> Completion:
+        completion = await collect(engine, request)
+        if on_finished is not None:
+            on_finished(completion)
+        return completion
 
     async def main() -> list[Completion]:
         engine = AsyncEngine(executor, config, inline=True)  # this thread built the model
         await engine.start()
         try:
-            return list(await asyncio.gather(*(collect(engine, r) for r in requests)))
+            return list(await asyncio.gather(*(run_one(engine, r) for r in requests)))
         finally:
             await engine.stop(timeout=0)
 

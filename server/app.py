@@ -32,6 +32,7 @@ from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogM
 from server.playground import playground_router
 from server.routes import router
 from server.serving import ServingContext
+from server.traffic import TrafficLog
 
 if TYPE_CHECKING:
     from models.loader import LoadedModel
@@ -160,6 +161,7 @@ class AppState:
             system_fingerprint="fp_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:10],
             enable_fault_injection=settings.enable_fault_injection,
             shutdown_timeout=settings.shutdown_timeout,
+            traffic=TrafficLog(settings.record_traffic, loaded.model_id) if settings.record_traffic else None,
         )
         logger.info(
             "ready: serving %s as %s (max_model_len=%d, max_num_seqs=%d)",
@@ -175,6 +177,8 @@ class AppState:
             # uvicorn has already waited --shutdown-timeout for open requests; abort what is left.
             await self.engine.stop(timeout=1.0)
             self.metrics.set_queue_state(self.engine.scheduler.queue_state())
+        if self.serving is not None and self.serving.traffic is not None:
+            self.serving.traffic.close()  # the last lines reach the file
         self.step_thread.shutdown(wait=False)
 
 

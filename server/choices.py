@@ -100,6 +100,7 @@ class Choice:
         self._pending: list[TokenInfo] = []
         self._num_decoded = 0  # characters decoded (shown or held back)
         self.num_shown = 0  # characters released to the client
+        self._shown: list[str] = []  # the text released, for --record-traffic
         self.last: RequestOutput | None = None
         self.finish_reason: str | None = None
         self.num_completion_tokens: int | None = None  # set when a stop string ends the output
@@ -108,6 +109,11 @@ class Choice:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The text released to the client so far."""
+        return "".join(self._shown)
 
     @property
     def num_tokens(self) -> int:
@@ -149,6 +155,8 @@ class Choice:
             text += self._stops.flush()
             self.finish_reason = out.finish_reason.value if out.finish_reason else "stop"
         self.num_shown += len(text)
+        if text:
+            self._shown.append(text)
         tokens = self._release_tokens()
         if not text and not tokens and self.finish_reason is None:
             return None
@@ -269,9 +277,20 @@ class Generation:
     choices: list[Choice]
     record: RequestRecord
     num_prompt_tokens: int
+    # Called once when the request ends, however it ends (--record-traffic writes its line).
+    on_finish: Callable[[Generation], None] | None = field(default=None, kw_only=True)
 
     def usage(self) -> Usage:
         return usage_of(self.choices, self.num_prompt_tokens)
+
+    def finish(self) -> None:
+        """However the request ends: abort what still runs, count every choice, then `on_finish`."""
+        finish_all(self.choices, self.record)
+        if self.on_finish is not None:
+            try:
+                self.on_finish(self)
+            except Exception:  # noqa: BLE001 - bookkeeping never fails a request
+                logger.exception("request %s: on_finish failed", self.record.request_id)
 
 
 async def collect(gen: Generation) -> dict[int, Collected]:
@@ -285,7 +304,7 @@ async def collect(gen: Generation) -> dict[int, Collected]:
             result.tokens += update.tokens
             result.finish_reason = update.finish_reason or result.finish_reason
     finally:
-        finish_all(choices, record)
+        gen.finish()
     return results
 
 
@@ -326,7 +345,7 @@ async def sse_stream(
         record.status = 500
         yield sse_error(EngineError("internal server error", code="internal_error"))
     finally:
-        finish_all(choices, record)
+        gen.finish()
     yield SSE_DONE
 
 

@@ -1,4 +1,5 @@
-"""`specd serve` (the HTTP server) and `specd generate "prompt"` (one completion, no server).
+"""`specd serve` (the HTTP server), `specd generate "prompt"` (one completion, no server) and
+`specd train-draft` (train an EAGLE-style draft head for a model; the work is in `training/`).
 
 Flags are generated from `server.config.Settings`, so every flag has an
 environment variable (`SPECD_<NAME>`) and a YAML key, and its `--help` text
@@ -17,6 +18,7 @@ import sys
 import time
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import SecretStr, ValidationError
@@ -35,6 +37,8 @@ GENERATE_SETTINGS = (
     "model", "draft", "draft_model", "draft_head", "num_speculative_tokens", "dtype", "device", "cache_dir",
     "max_model_len", "revision", "trust_remote_code", "log_level",
 )  # fmt: skip
+# Settings that `train-draft` shares with `serve`: which target, loaded how.
+TRAIN_DRAFT_SETTINGS = ("model", "dtype", "device", "cache_dir", "revision", "trust_remote_code", "log_level")
 
 
 def _flag_type(annotation: Any) -> dict[str, Any]:
@@ -82,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specd", description="OpenAI-compatible LLM server with batched, lossless speculative decoding."
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,train-draft}")
     config_help = f"YAML file of settings, keys named as the flags ('-' or '_') [env {CONFIG_ENV}]"
 
     serve = commands.add_parser(
@@ -110,7 +114,75 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     generate.add_argument("--config", default=None, help=config_help)
     add_settings_flags(generate, GENERATE_SETTINGS)
+    add_train_draft_parser(commands, config_help)
     return parser
+
+
+def add_train_draft_parser(commands, config_help: str) -> None:
+    train = commands.add_parser(
+        "train-draft",
+        help="train an EAGLE-style draft head for a model on this machine",
+        description="Train an EAGLE-style draft head: the target answers a prompt set (the shipped one, plus "
+        "--prompts), its features along the answers are recorded, and a one-layer head learns to predict "
+        "its next features and tokens. Held-out acceptance is reported and stored with the head.",
+    )
+    train.add_argument("--out", required=True, type=Path, help="directory to write the head to (created)")
+    train.add_argument(
+        "--prompts",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="FILE.jsonl",
+        help='your own prompts, besides the shipped set (repeatable): JSON lines of {"prompt": ...}, '
+        '{"messages": [...]} or `specd serve --record-traffic` records',
+    )
+    train.add_argument(
+        "--shipped-prompts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also train on the prompt set shipped with specd [default: true]",
+    )
+    train.add_argument(
+        "--eval-prompts",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="FILE.jsonl",
+        help="prompt files to report acceptance on, never trained on (repeatable), "
+        "e.g. benchmarks/prompt_sets/chat.jsonl",
+    )
+    train.add_argument(
+        "--minutes", type=float, default=15.0, help="training time budget, evaluations included [default: 15]"
+    )
+    train.add_argument(
+        "--epochs",
+        type=float,
+        default=None,
+        help="stop after this many passes over the data, if sooner; makes the run deterministic with --seed "
+        "[default: none]",
+    )
+    train.add_argument("--max-tokens", type=int, default=256, help="answer length cap per prompt [default: 256]")
+    train.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature of the answers; 0 is greedy [default: 0]"
+    )
+    train.add_argument(
+        "--draft-vocab", type=int, default=8192, help="tokens the head can draft (the most frequent) [default: 8192]"
+    )
+    train.add_argument(
+        "--held-out", type=float, default=0.1, help="share of the answers kept out of training [default: 0.1]"
+    )
+    train.add_argument(
+        "--unroll", type=int, default=2, help="chained steps trained per position; 1 is a single step [default: 2]"
+    )
+    train.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW) [default: 0.001]")
+    train.add_argument(
+        "--batch-tokens", type=int, default=4096, help="padded tokens per training minibatch [default: 4096]"
+    )
+    train.add_argument("--max-num-seqs", type=int, default=16, help="answers generated at once [default: 16]")
+    train.add_argument("--threads", type=int, default=None, help="torch CPU threads [default: torch's]")
+    train.add_argument("--seed", type=int, default=0, help="seeds answers, the split, init and order [default: 0]")
+    train.add_argument("--config", default=None, help=config_help)
+    add_settings_flags(train, TRAIN_DRAFT_SETTINGS)
 
 
 def configure_logging(level: str) -> None:
@@ -242,10 +314,65 @@ async def _generate(components, args: argparse.Namespace) -> int:
     return 0
 
 
+# -- train-draft -------------------------------------------------------------------
+
+
+def train_draft(args: argparse.Namespace) -> int:
+    settings = _settings(args, TRAIN_DRAFT_SETTINGS)
+    if settings is None:
+        return 2
+    configure_logging(settings.log_level)
+    from models.loader import ModelConfig
+    from training.data import DataConfig
+    from training.pipeline import TrainDraftConfig
+    from training.pipeline import train_draft as run_training
+    from training.train import TrainConfig
+
+    try:
+        config = TrainDraftConfig(
+            model=ModelConfig(
+                model=settings.model,
+                dtype=settings.dtype,
+                device=settings.device,
+                cache_dir=settings.cache_dir,
+                revision=settings.revision,
+                trust_remote_code=settings.trust_remote_code,
+            ),
+            out=args.out,
+            prompt_files=args.prompts,
+            shipped_prompts=args.shipped_prompts,
+            eval_prompt_files=args.eval_prompts,
+            draft_vocab=args.draft_vocab,
+            held_out=args.held_out,
+            threads=args.threads,
+            data=DataConfig(
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                max_num_seqs=args.max_num_seqs,
+                seed=args.seed,
+            ),
+            train=TrainConfig(
+                minutes=args.minutes,
+                epochs=args.epochs,
+                batch_tokens=args.batch_tokens,
+                lr=args.lr,
+                unroll=args.unroll,
+                seed=args.seed,
+            ),
+        )
+        run_training(config)
+    except (OSError, ValueError) as exc:
+        print(f"specd: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+COMMANDS = {"serve": serve, "generate": generate, "train-draft": train_draft}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = serve if args.command == "serve" else generate
-    return handler(args)
+    return COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":

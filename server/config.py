@@ -56,6 +56,12 @@ class Settings(BaseSettings):
         True, description="Serve the chat playground page at / and /playground (--no-playground: 404 there)."
     )
     access_log: bool = Field(False, description="Log every HTTP request (uvicorn access log).")
+    record_traffic: Path | None = Field(
+        None,
+        description="Append one JSON line per finished completion request to this file: the prompt (chat "
+        "messages or text) and the output text, with model id and time. It holds USER DATA: protect and delete "
+        "it as such. `specd train-draft --prompts FILE` trains a draft head on it. Off by default.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Logging verbosity."
     )

@@ -21,6 +21,7 @@ from scheduler.types import MAX_LOGIT_BIAS, Request, SamplingParams
 from server.detokenizer import TokenTexts
 from server.errors import APIError, BadRequestError, NotFoundError
 from server.protocol import SamplingFields
+from server.traffic import TrafficLog
 
 SEED_MASK = 2**63 - 1
 
@@ -38,6 +39,7 @@ class ServingContext:
     system_fingerprint: str
     enable_fault_injection: bool
     shutdown_timeout: float = 30.0
+    traffic: TrafficLog | None = None  # --record-traffic
     token_texts: TokenTexts = field(init=False)
 
     def __post_init__(self) -> None:

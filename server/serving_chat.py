@@ -43,6 +43,7 @@ from server.serving import (
     until_disconnected,
 )
 
+ENDPOINT = "/v1/chat/completions"
 # Used when a tokenizer has no chat template of its own.
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -66,19 +67,23 @@ def content_text(content: str | list[ContentPart] | None, param: str) -> str:
     return "\n".join(texts)
 
 
-def render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
-    if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
-        raise BadRequestError(
-            "'continue_final_message' needs 'add_generation_prompt': false and a final assistant message",
-            param="continue_final_message",
-        )
-    messages = [
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as the chat template gets them: roles and plain text."""
+    return [
         {
             "role": "system" if m.role == "developer" else m.role,
             "content": content_text(m.content, f"messages[{i}].content"),
         }
         for i, m in enumerate(req.messages)
     ]
+
+
+def render_prompt(ctx: ServingContext, req: ChatCompletionRequest, messages: list[dict[str, str]]) -> list[int]:
+    if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
+        raise BadRequestError(
+            "'continue_final_message' needs 'add_generation_prompt': false and a final assistant message",
+            param="continue_final_message",
+        )
     tokenizer = ctx.tokenizer
     try:
         text = tokenizer.apply_chat_template(
@@ -119,7 +124,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_model(req.model)
     check_stream_options(req)
     check_unsupported(req)
-    prompt_ids = render_prompt(ctx, req)
+    messages = chat_messages(req)
+    prompt_ids = render_prompt(ctx, req, messages)
     prediction_ids = None
     if req.prediction is not None:
         predicted = content_text(req.prediction.content, "prediction.content")
@@ -139,7 +145,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             exc.param = "messages"
         raise
     choices = [Choice(i, stream, ctx.tokenizer, req, prompt_ids) for i, stream in enumerate(streams)]
-    gen = Generation(head, req, choices, record, len(prompt_ids))
+    on_finish = ctx.traffic.recorder(ENDPOINT, head.id, {"messages": messages}) if ctx.traffic else None
+    gen = Generation(head, req, choices, record, len(prompt_ids), on_finish=on_finish)
     if req.stream:
         return _stream(ctx, gen)
     return await until_disconnected(raw, _complete(ctx, gen))

@@ -40,6 +40,8 @@ from server.serving import (
     until_disconnected,
 )
 
+ENDPOINT = "/v1/completions"
+
 
 @dataclass
 class CompletionGeneration(Generation):
@@ -116,7 +118,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: HT
     )
     streams = submit_all(ctx, head.id, prompts, params, tenant=req.tenant)
     choices = [Choice(i, stream, ctx.tokenizer, req, ids) for i, (stream, ids) in enumerate(zip(streams, prompts))]
-    gen = CompletionGeneration(head, req, choices, record, num_prompt_tokens, echoes)
+    on_finish = None
+    if ctx.traffic:
+        texts = [t or ctx.tokenizer.decode(ids) for t, ids in zip(prompt_texts, prompt_ids)]  # ids: as text
+        on_finish = ctx.traffic.recorder(ENDPOINT, head.id, {"prompt": texts[0] if len(texts) == 1 else texts})
+    gen = CompletionGeneration(head, req, choices, record, num_prompt_tokens, echoes, on_finish=on_finish)
     if req.stream:
         return _stream(ctx, gen)
     return await until_disconnected(raw, _complete(ctx, gen))

@@ -1,0 +1,63 @@
+"""The data pipeline: the target's answers, its features along them, the draft vocabulary."""
+
+from __future__ import annotations
+
+import torch
+
+from training.data import Sequence, build_draft_vocab, coverage, length_groups, record_features, split_held_out
+
+
+def fake_sequence(ids: list[int], targets: list[int]) -> Sequence:
+    return Sequence(torch.tensor(ids), 1, torch.zeros(len(ids), 4), torch.tensor(targets))
+
+
+def test_answers_are_the_targets_greedy_tokens_and_features_are_its_last_hidden_state(tiny_loaded, tiny_sequences):
+    assert len(tiny_sequences) >= 45
+    assert all(0 < s.num_answer_tokens <= 24 for s in tiny_sequences)
+    model = tiny_loaded.model
+    for s in tiny_sequences[:3] + tiny_sequences[-3:]:  # short and long ones: padding changes nothing
+        with torch.inference_mode():
+            hidden = model.get_decoder()(input_ids=s.token_ids[None]).last_hidden_state[0]
+            argmax = model.get_output_embeddings()(hidden).argmax(-1)
+        torch.testing.assert_close(s.features, hidden, rtol=1e-4, atol=1e-4)
+        assert torch.equal(s.target_next, argmax)
+        # Greedy answers: each answer token is the target's argmax at the position before it.
+        answer = slice(s.prompt_len - 1, len(s.token_ids) - 1)
+        assert torch.equal(s.token_ids[s.prompt_len :], s.target_next[answer])
+
+
+def test_record_features_batches_unequal_lengths_like_one_at_a_time(tiny_loaded):
+    prompts, answers = [[5, 6, 7], [8] * 20, [9, 10]], [[11], [], [12, 13, 14]]
+    together = record_features(tiny_loaded, prompts, answers, batch_tokens=64)
+    alone = [record_features(tiny_loaded, [p], [a])[0] for p, a in zip(prompts, answers)]
+    for a, b in zip(together, alone):
+        assert torch.equal(a.token_ids, b.token_ids) and a.prompt_len == b.prompt_len
+        torch.testing.assert_close(a.features, b.features, rtol=1e-4, atol=1e-4)
+
+
+def test_draft_vocab_holds_the_most_frequent_tokens_and_coverage_counts_targets():
+    sequences = [fake_sequence([1, 2, 2, 3, 3, 3], [2, 2, 3, 3, 3, 9]), fake_sequence([3, 4], [4, 7])]
+    vocab = build_draft_vocab(sequences, 2, vocab_size=10)
+    assert vocab.tolist() == [3, 2]  # 3: 7 times, 2: 4 times
+    # Targets the head learns (positions 1..): [2, 3, 3, 3, 9] and [7]: 4 of 6 inside {2, 3}.
+    assert coverage(sequences, vocab, 10) == 4 / 6
+    filled = build_draft_vocab(sequences, 8, vocab_size=10)
+    assert filled[:6].tolist() == [3, 2, 4, 1, 7, 9] and sorted(filled.tolist()) == sorted(set(filled.tolist()))
+    assert len(filled) == 8
+
+
+def test_length_groups_respect_the_token_budget():
+    lengths = [5, 50, 7, 30, 6, 200]
+    groups = length_groups(lengths, 64)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    for group in groups:
+        assert len(group) == 1 or max(lengths[i] for i in group) * len(group) <= 64
+    assert groups[-1] == [5]  # longer than the budget: alone
+
+
+def test_held_out_split_is_seeded_and_disjoint():
+    sequences = [fake_sequence([i, i], [i, i]) for i in range(20)]
+    train, held = split_held_out(sequences, 0.1, seed=3)
+    assert len(held) == 2 and len(train) == 18 and not {id(s) for s in held} & {id(s) for s in train}
+    again, _ = split_held_out(sequences, 0.1, seed=3)
+    assert [id(s) for s in again] == [id(s) for s in train]

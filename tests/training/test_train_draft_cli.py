@@ -1,0 +1,53 @@
+"""`specd train-draft` end to end on the tiny Llama: a head directory that serves it and only it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from models.eagle_head import HeadMismatch, load_head, read_head_config
+from models.loader import ModelConfig, load_model
+from server.cli import build_parser, main
+
+
+def test_help_names_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train-draft", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--out", "--prompts", "--eval-prompts", "--minutes", "--epochs", "--max-tokens", "--draft-vocab",
+                 "--dtype", "--device", "--seed", "--model", "--no-shipped-prompts", "--unroll"):  # fmt: skip
+        assert flag in text
+
+
+def test_train_draft_writes_a_head_for_its_model_only(tiny_llama_dir, tiny_qwen2_dir, tmp_path):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {w} twice."}) + "\n" for w in "abcdefghijklmnop"))
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello world!"}]}) + "\n")
+    out = tmp_path / "head"
+    code = main([
+        "train-draft", "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu",
+        "--out", str(out), "--prompts", str(prompts), "--no-shipped-prompts", "--eval-prompts", str(evals),
+        "--max-tokens", "12", "--draft-vocab", "100", "--epochs", "2", "--minutes", "2", "--held-out", "0.25",
+    ])  # fmt: skip
+    assert code == 0
+    record = read_head_config(out).training
+    assert record["data"]["prompts"] == 16 and record["data"]["sequences_held_out"] == 4
+    assert record["draft_vocab"]["size"] == 100 and 0 < record["draft_vocab"]["coverage_train"] <= 1
+    assert len(record["held_out"]["per_position"]) == 4 and record["held_out_curve"][0]["step"] == 0
+    assert list(record["eval_prompts"]) == [str(evals)] and record["eval_prompts"][str(evals)]["num_chains"] > 0
+    assert set(record["phase_minutes"]) == {"load", "generate", "record", "train", "evaluate"}
+
+    llama = load_model(ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"))
+    head = load_head(out, llama.model)
+    assert head.config.draft_vocab_size == 100
+    qwen = load_model(ModelConfig(model=str(tiny_qwen2_dir), dtype="float32", device="cpu"))
+    with pytest.raises(HeadMismatch, match="trained for another model"):
+        load_head(out, qwen.model)
+
+
+def test_a_missing_prompt_file_is_an_error_not_a_traceback(tiny_llama_dir, tmp_path, capsys):
+    code = main(["train-draft", "--model", str(tiny_llama_dir), "--out", str(tmp_path / "h"),
+                 "--prompts", str(tmp_path / "missing.jsonl")])  # fmt: skip
+    assert code == 1 and "missing.jsonl" in capsys.readouterr().err

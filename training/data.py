@@ -1,0 +1,208 @@
+"""Training data from the target itself: its answers to prompts, and its features along them.
+
+1. `generate_answers`: the target answers every prompt through specd's own engine
+   (continuous batching, no speculation), greedy unless told otherwise.
+2. `record_features`: one padded, batched forward per group of sequences keeps, at
+   every position p, the target's last hidden state h_p (post final norm: what its
+   lm_head reads) and its own next token a_p = argmax logits(h_p).
+3. `build_draft_vocab`: the most frequent tokens of the training sequences.
+
+Everything stays in memory (float32 features: SmolLM2-135M's 576 floats are 2.3 KB
+a token, so 50k tokens take 115 MB).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from models.builder import ProposerConfig, build_runner
+from models.loader import LoadedModel
+from models.runner import RunnerConfig
+from scheduler.offline import Completion, run_offline
+from scheduler.policy import SpecConfig
+from scheduler.scheduler import SchedulerConfig
+from scheduler.types import Request, SamplingParams
+from training.prompts import TrainingPrompt
+
+logger = logging.getLogger("specd.training")
+
+
+@dataclass
+class DataConfig:
+    max_tokens: int = 256  # answer length cap per prompt
+    temperature: float = 0.0  # 0: the target's greedy answers (what greedy serving drafts against)
+    max_num_seqs: int = 16  # answers generated at once; the KV pool holds this many full sequences
+    record_batch_tokens: int = 2048  # padded tokens per feature-recording forward
+    seed: int = 0
+
+
+@dataclass
+class Sequence:
+    """One prompt and the target's answer, with what the target computed along it."""
+
+    token_ids: torch.Tensor  # [L] prompt + answer
+    prompt_len: int
+    features: torch.Tensor  # [L, H] float32: h_p
+    target_next: torch.Tensor  # [L] the target's argmax at p: its token for position p + 1
+
+    @property
+    def num_answer_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+def build_sequences(
+    loaded: LoadedModel, prompts: list[TrainingPrompt], config: DataConfig, seconds: dict[str, float] | None = None
+) -> list[Sequence]:
+    """Answer, then record: the whole data pipeline for one prompt set (`seconds` adds up each phase's time)."""
+    prompt_ids = [p.render(loaded.tokenizer) for p in prompts]
+    limit = loaded.max_position_embeddings - config.max_tokens
+    kept = [ids for ids in prompt_ids if 0 < len(ids) <= limit]
+    if len(kept) < len(prompt_ids):
+        logger.warning("skipped %d prompts longer than %d tokens", len(prompt_ids) - len(kept), limit)
+    timings: dict[str, float] = {} if seconds is None else seconds
+    started = time.perf_counter()
+    answers = generate_answers(loaded, kept, config)
+    recording = time.perf_counter()
+    sequences = record_features(loaded, kept, answers, config.record_batch_tokens)
+    timings["generate"] = timings.get("generate", 0.0) + recording - started
+    timings["record"] = timings.get("record", 0.0) + time.perf_counter() - recording
+    return sequences
+
+
+def generate_answers(loaded: LoadedModel, prompt_ids: list[list[int]], config: DataConfig) -> list[list[int]]:
+    """The target's answer to each prompt, all submitted at once to specd's engine."""
+    if not prompt_ids:
+        return []
+    max_len = min(max(map(len, prompt_ids)) + config.max_tokens, loaded.max_position_embeddings)
+    max_num_seqs = min(config.max_num_seqs, len(prompt_ids))
+    runner = build_runner(
+        loaded, RunnerConfig(max_num_seqs=max_num_seqs, max_model_len=max_len), ProposerConfig(method="none")
+    )
+    assert runner.config.num_kv_blocks is not None
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_model_len=runner.config.max_model_len,
+        max_num_batched_tokens=max(512, max_num_seqs),
+        eos_token_ids=loaded.eos_token_ids,
+        num_kv_blocks=runner.config.num_kv_blocks,
+        block_size=runner.config.block_size,
+        spec=SpecConfig(num_speculative_tokens=0),
+    )
+    requests = [
+        Request(
+            f"train-{i}",
+            ids,
+            SamplingParams(
+                max_tokens=config.max_tokens,
+                temperature=config.temperature,
+                seed=config.seed + i,
+                speculation=False,
+            ),
+        )
+        for i, ids in enumerate(prompt_ids)
+    ]
+    started = time.perf_counter()
+    with tqdm(total=len(requests), desc="generate", unit="answer") as bar:
+
+        def done(completion: Completion) -> None:
+            bar.update(1)
+            if completion.error:
+                logger.warning("answer %s failed: %s", completion.request_id, completion.error)
+
+        completions = run_offline(runner, scheduler_config, requests, on_finished=done)
+    del runner  # its KV pool
+    num_tokens = sum(len(c.token_ids) for c in completions)
+    seconds = time.perf_counter() - started
+    logger.info("generated %d answer tokens in %.0fs (%.0f tok/s)", num_tokens, seconds, num_tokens / seconds)
+    return [c.token_ids for c in completions]
+
+
+@torch.inference_mode()
+def record_features(
+    loaded: LoadedModel, prompt_ids: list[list[int]], answers: list[list[int]], batch_tokens: int = 2048
+) -> list[Sequence]:
+    """h_p and a_p at every position of every prompt + answer (answers may be empty)."""
+    model = loaded.model
+    # The runner switched the model to specd's paged attention; a plain padded batch needs SDPA.
+    model.set_attn_implementation("sdpa")
+    base, lm_head = model.get_decoder(), model.get_output_embeddings()
+    token_ids = [torch.tensor(p + a, dtype=torch.long) for p, a in zip(prompt_ids, answers)]
+    sequences: list[Sequence | None] = [None] * len(token_ids)
+    started = time.perf_counter()
+    with tqdm(total=sum(map(len, token_ids)), desc="record", unit="tok") as bar:
+        for group in length_groups([len(t) for t in token_ids], batch_tokens):
+            longest = max(len(token_ids[i]) for i in group)
+            ids = torch.full((len(group), longest), loaded.tokenizer.pad_token_id or 0, dtype=torch.long)
+            mask = torch.zeros((len(group), longest), dtype=torch.long)
+            for row, i in enumerate(group):
+                ids[row, : len(token_ids[i])] = token_ids[i]
+                mask[row, : len(token_ids[i])] = 1
+            hidden = base(input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device)).last_hidden_state
+            for row, i in enumerate(group):
+                length = len(token_ids[i])
+                h = hidden[row, :length]
+                sequences[i] = Sequence(
+                    token_ids=token_ids[i],
+                    prompt_len=len(prompt_ids[i]),
+                    features=h.float().cpu(),
+                    target_next=lm_head(h).argmax(-1).cpu(),
+                )
+                bar.update(length)
+    logger.info("recorded features of %d tokens in %.0fs", sum(map(len, token_ids)), time.perf_counter() - started)
+    return [s for s in sequences if s is not None]
+
+
+def length_groups(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices in order of length, cut into groups whose padded size (rows x longest) stays within
+    `batch_tokens` (a longer sequence is a group of its own): similar lengths pad little."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if groups and lengths[i] * (len(groups[-1]) + 1) <= batch_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def split_held_out(sequences: list[Sequence], fraction: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:
+    """(train, held out): a seeded `fraction` of whole sequences is never trained on."""
+    shuffled = list(sequences)
+    random.Random(seed).shuffle(shuffled)
+    num_held = round(len(shuffled) * fraction) if len(shuffled) > 1 else 0
+    if fraction > 0 and len(shuffled) > 1:
+        num_held = max(1, num_held)
+    return shuffled[num_held:], shuffled[:num_held]
+
+
+def build_draft_vocab(sequences: list[Sequence], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent tokens of the sequences and of the target's next tokens along them
+    (ties and any room left go by id, so it is deterministic), at most the whole vocabulary."""
+    counts: Counter[int] = Counter()
+    for s in sequences:
+        counts.update(s.token_ids.tolist())
+        counts.update(s.target_next.tolist())
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    if len(ranked) < size:  # fewer distinct tokens than asked: fill with unseen ids
+        seen = set(ranked)
+        ranked += [t for t in range(vocab_size) if t not in seen][: size - len(ranked)]
+    return torch.tensor(ranked, dtype=torch.long)
+
+
+def coverage(sequences: list[Sequence], draft_vocab: torch.Tensor, vocab_size: int) -> float:
+    """Share of the target's next tokens (the ones a head is trained on) inside the draft vocabulary:
+    a ceiling on the head's top-1 accuracy."""
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[draft_vocab] = True
+    hits = total = 0
+    for s in sequences:
+        targets = s.target_next[1:]  # position 0 has no head input before it
+        hits += int(inside[targets].sum())
+        total += len(targets)
+    return hits / total if total else 0.0

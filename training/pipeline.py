@@ -1,0 +1,153 @@
+"""`specd train-draft`, end to end: prompts -> the target's answers and features -> a trained head.
+
+load the target -> generate its answers (specd's engine) -> record h and a along them
+-> hold out a share of the sequences -> draft vocabulary from the rest -> train
+-> held-out (and --eval-prompts) acceptance -> save_head, with the record in its config
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from models.eagle_head import new_head, save_head
+from models.loader import ModelConfig, load_model
+from training.data import DataConfig, Sequence, build_draft_vocab, build_sequences, coverage, split_held_out
+from training.evaluate import chain_acceptance
+from training.prompts import TrainingPrompt, read_prompt_files, shipped_prompt_files
+from training.train import TrainConfig, train_head
+
+logger = logging.getLogger("specd.training")
+
+
+@dataclass
+class TrainDraftConfig:
+    model: ModelConfig
+    out: Path
+    prompt_files: list[Path] = field(default_factory=list)  # the user's own, besides the shipped set
+    shipped_prompts: bool = True
+    eval_prompt_files: list[Path] = field(default_factory=list)  # evaluated on, never trained on
+    draft_vocab: int = 8192
+    held_out: float = 0.1  # share of sequences kept out of training, for the held-out numbers
+    eval_k: int = 4  # chain length the acceptance is simulated at
+    threads: int | None = None  # torch intra-op threads; None: torch's default (the physical cores)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if not self.shipped_prompts and not self.prompt_files:
+            raise ValueError("no training prompts: give --prompts FILE or keep the shipped set")
+        if self.draft_vocab < 1:
+            raise ValueError("--draft-vocab must be >= 1")
+        if not 0 <= self.held_out < 1:
+            raise ValueError("--held-out must be in [0, 1)")
+        if self.train.unroll < 1 or self.eval_k < 1:
+            raise ValueError("--unroll and the evaluated chain length must be >= 1")
+
+
+def train_draft(config: TrainDraftConfig) -> dict:
+    """Run everything; returns the training record also stored in the head's config."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    phases: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases[name] = round((now - clock) / 60, 2)
+        clock = now
+
+    files = (shipped_prompt_files() if config.shipped_prompts else []) + list(config.prompt_files)
+    prompts = read_prompt_files(files)  # before the model loads: a bad file fails at once
+    eval_prompts = {str(path): read_prompt_files([path]) for path in config.eval_prompt_files}
+    logger.info("%d training prompts from %d files", len(prompts), len(files))
+    loaded = load_model(config.model)
+    lap("load")
+    seconds: dict[str, float] = {}  # generate / record, over every prompt set
+    sequences = build_sequences(loaded, prompts, config.data, seconds)
+    eval_sets = {name: build_sequences(loaded, ps, config.data, seconds) for name, ps in eval_prompts.items()}
+    phases.update({name: round(value / 60, 2) for name, value in seconds.items()})
+    clock = time.perf_counter()
+    train_set, held_out = split_held_out(sequences, config.held_out, config.data.seed)
+    vocab_size = loaded.vocab_size
+    draft_vocab = build_draft_vocab(train_set, min(config.draft_vocab, vocab_size), vocab_size)
+    torch.manual_seed(config.train.seed)  # the head's initial weights
+    head = new_head(loaded.model, draft_vocab)
+    head.requires_grad_(True)
+    logger.info(
+        "draft vocabulary: %d tokens, covering %.1f%% of the target's next tokens (held out: %.1f%%)",
+        len(draft_vocab),
+        100 * coverage(train_set, draft_vocab, vocab_size),
+        100 * coverage(held_out, draft_vocab, vocab_size),
+    )
+
+    def evaluate() -> dict:
+        return chain_acceptance(head, held_out, config.eval_k).as_record() if held_out else {}
+
+    result = train_head(head, train_set, config.train, evaluate)
+    lap("train")
+    record = {
+        "target_model": loaded.model_id,
+        "data": _data_record(files, prompts, train_set, held_out, config),
+        "draft_vocab": {
+            "size": len(draft_vocab),
+            "coverage_train": round(coverage(train_set, draft_vocab, vocab_size), 4),
+            "coverage_held_out": round(coverage(held_out, draft_vocab, vocab_size), 4),
+        },
+        "training": {
+            **asdict(config.train),
+            "steps": result.steps,
+            "epochs_done": result.epochs,
+            "minutes": result.minutes,
+            "final_loss": result.final_loss,
+            "final_top1": result.final_top1,
+            "threads": torch.get_num_threads(),
+        },
+        "held_out": result.curve[-1] if result.curve else {},
+        "held_out_curve": result.curve,
+        "eval_prompts": {
+            name: chain_acceptance(head, seqs, config.eval_k).as_record() for name, seqs in eval_sets.items()
+        },
+        "eval_k": config.eval_k,
+    }
+    lap("evaluate")
+    record["phase_minutes"] = phases
+    head.config.training = record
+    save_head(head, config.out)  # bfloat16 weights; load_head casts them to the target's dtype
+    logger.info("saved the head to %s: %s", config.out, _summary(record))
+    return record
+
+
+def _data_record(
+    files: list[Path],
+    prompts: list[TrainingPrompt],
+    train_set: list[Sequence],
+    held_out: list[Sequence],
+    config: TrainDraftConfig,
+) -> dict:
+    return {
+        "prompt_files": [str(f) for f in files],
+        "prompts": len(prompts),
+        "sequences_train": len(train_set),
+        "sequences_held_out": len(held_out),
+        "tokens_train": sum(len(s.token_ids) for s in train_set),
+        "answer_tokens_train": sum(s.num_answer_tokens for s in train_set),
+        "answer_tokens_held_out": sum(s.num_answer_tokens for s in held_out),
+        "max_tokens": config.data.max_tokens,
+        "temperature": config.data.temperature,
+        "seed": config.data.seed,
+    }
+
+
+def _summary(record: dict) -> str:
+    held = record.get("held_out") or {}
+    per_position = ", ".join(f"{p:.2f}" for p in held.get("per_position", []))
+    return (
+        f"held-out acceptance per draft position [{per_position}], "
+        f"{held.get('accepted_per_verify', 0):.2f} drafts accepted per verify at K={record['eval_k']}"
+    )

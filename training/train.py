@@ -1,0 +1,165 @@
+"""The training loop: AdamW over minibatches of whole sequences, within a time budget.
+
+Loss per chained step s (training/unroll.py), averaged over the steps:
+
+    smooth_l1(g^s, h_{next})  +  cls_weight * cross_entropy(draft_logits(g^s), a_{next})
+
+(EAGLE-1's regression plus classification, cls_weight 0.1 as in its paper; targets
+outside the draft vocabulary add no classification term). With `unroll` >= 2 the
+head also learns from its own outputs fed back, as it drafts at serving time.
+
+The learning rate warms up, then follows a cosine to zero over the run: over the
+steps of `epochs` when given (the run is then deterministic with `seed`), else over
+the `minutes` budget (the order of batches and the init are still seeded, but where
+the budget ends depends on the machine's speed).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from models.eagle_head import EagleHead
+from training.data import Sequence, length_groups
+from training.unroll import IGNORE, ChainBatch, draft_index, unrolled
+
+logger = logging.getLogger("specd.training")
+
+
+@dataclass
+class TrainConfig:
+    minutes: float = 15.0  # time budget for the optimisation (evaluations included)
+    epochs: float | None = None  # stop after this many passes over the data, if sooner
+    batch_tokens: int = 4096  # padded tokens per minibatch (rows x longest sequence)
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 20
+    unroll: int = 2  # chained steps trained per position (1: EAGLE-1's single step)
+    cls_weight: float = 0.1
+    eval_every_minutes: float | None = None  # default: five points over the budget
+    seed: int = 0
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    epochs: float
+    minutes: float
+    final_loss: float
+    final_top1: float
+    curve: list[dict] = field(default_factory=list)  # what `evaluate` returned along the run
+
+
+def train_head(
+    head: EagleHead,
+    sequences: list[Sequence],
+    config: TrainConfig,
+    evaluate: Callable[[], dict] | None = None,
+) -> TrainResult:
+    """Optimise `head` in place; `evaluate()` (held-out numbers) runs at the start, every
+    `eval_every_minutes` and at the end, and its results make the curve."""
+    torch.manual_seed(config.seed)
+    rng = random.Random(config.seed)
+    # Every sequence then has a position that every unrolled step can score (no empty loss terms).
+    batches = minibatches([s for s in sequences if len(s.token_ids) > config.unroll], config.batch_tokens)
+    if not batches:
+        raise ValueError("no training sequences")
+    total_steps = math.ceil(config.epochs * len(batches)) if config.epochs else None
+    budget = config.minutes * 60
+    eval_every = 60 * (config.eval_every_minutes or config.minutes / 5)
+    index = draft_index(head.draft_vocab, head.vocab_size)
+    optimizer = torch.optim.AdamW(
+        [p for p in head.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay
+    )
+    curve: list[dict] = []
+    started = time.perf_counter()
+
+    def elapsed() -> float:
+        return time.perf_counter() - started
+
+    def checkpoint(step: int) -> None:
+        if evaluate is not None:
+            point = {"minutes": round(elapsed() / 60, 2), "step": step, **evaluate()}
+            curve.append(point)
+            logger.info("eval at %.1f min, step %d: %s", point["minutes"], step, point)
+
+    checkpoint(0)
+    next_eval = eval_every
+    head.train()
+    step, loss_avg, top1_avg = 0, float("nan"), float("nan")
+    order: list[int] = []
+    bar = tqdm(total=total_steps, desc="train", unit="step")
+    while elapsed() < budget and (total_steps is None or step < total_steps):
+        if not order:
+            order = list(range(len(batches)))
+            rng.shuffle(order)
+        batch = batches[order.pop()]
+        progress = step / total_steps if total_steps else elapsed() / budget
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step, progress)
+        loss, top1 = chain_loss(head, batch, index, config)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        loss_avg = loss.item() if math.isnan(loss_avg) else 0.95 * loss_avg + 0.05 * loss.item()
+        top1_avg = top1 if math.isnan(top1_avg) else 0.95 * top1_avg + 0.05 * top1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_avg:.3f}", top1=f"{top1_avg:.3f}", min=f"{elapsed() / 60:.1f}")
+        if evaluate is not None and elapsed() >= next_eval and elapsed() < budget:
+            checkpoint(step)
+            next_eval += eval_every
+            head.train()
+    bar.close()
+    minutes = elapsed() / 60
+    checkpoint(step)
+    head.eval()
+    return TrainResult(
+        steps=step,
+        epochs=round(step / len(batches), 2),
+        minutes=round(minutes, 2),
+        final_loss=round(loss_avg, 4),
+        final_top1=round(top1_avg, 4),
+        curve=curve,
+    )
+
+
+def learning_rate(config: TrainConfig, step: int, progress: float) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    return config.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def chain_loss(
+    head: EagleHead, batch: ChainBatch, index: torch.Tensor, config: TrainConfig
+) -> tuple[torch.Tensor, float]:
+    """(loss, step-0 top-1 accuracy over the draft vocabulary) of one minibatch."""
+    losses = []
+    top1 = 0.0
+    for s, step in enumerate(unrolled(head, batch, config.unroll)):
+        valid = batch.valid(s)
+        g = step.g[valid]
+        regression = F.smooth_l1_loss(g, step.feature_target[valid])
+        targets = index[step.token_target[valid]]
+        logits = head.draft_logits(g)
+        known = targets != IGNORE
+        classification = F.cross_entropy(logits, targets, ignore_index=IGNORE) if known.any() else g.sum() * 0
+        losses.append(regression + config.cls_weight * classification)
+        if s == 0:
+            top1 = (logits.argmax(-1) == targets).float().mean().item() if len(targets) else 0.0
+    return torch.stack(losses).mean(), top1
+
+
+def minibatches(sequences: list[Sequence], batch_tokens: int) -> list[ChainBatch]:
+    """Padded minibatches of sequences of similar length, built once (their order is shuffled per epoch)."""
+    groups = length_groups([len(s.token_ids) for s in sequences], batch_tokens)
+    return [ChainBatch.of([sequences[i] for i in group]) for group in groups]
