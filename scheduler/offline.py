@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler.engine import AsyncEngine, Executor
 from scheduler.scheduler import SchedulerConfig
@@ -48,7 +48,9 @@ def run_offline(
     on_finished: Callable[[Completion], None] | None = None,
 ) -> list[Completion]:
     """Submit all requests at once (one batch where slots allow) and wait for all;
-    `on_finished` sees each completion as it ends (progress for long runs)."""
+    `on_finished` sees each completion as it ends (progress for long runs). The
+    queue is made to hold them all: an offline caller has no one to retry."""
+    config = replace(config, max_queue=max(config.max_queue, len(requests)))
 
     async def run_one(engine: AsyncEngine, request: Request) -> Completion:
         completion = await collect(engine, request)
