@@ -18,7 +18,7 @@ from models.eagle_head import new_head, save_head
 from models.loader import ModelConfig, load_model
 from training.data import DataConfig, Sequence, build_draft_vocab, build_sequences, coverage, split_held_out
 from training.evaluate import chain_acceptance
-from training.prompts import TrainingPrompt, read_prompt_files, shipped_prompt_files
+from training.prompts import SHIPPED_DIR, TrainingPrompt, read_prompt_files, shipped_prompt_files
 from training.train import TrainConfig, train_head
 
 logger = logging.getLogger("specd.training")
@@ -131,7 +131,8 @@ def _data_record(
     config: TrainDraftConfig,
 ) -> dict:
     return {
-        "prompt_files": [str(f) for f in files],
+        # The shipped set by its place in specd (no machine's paths in a head that gets shared).
+        "prompt_files": [f"specd:training/prompts/{f.name}" if f.parent == SHIPPED_DIR else str(f) for f in files],
         "prompts": len(prompts),
         "sequences_train": len(train_set),
         "sequences_held_out": len(held_out),
