@@ -9,7 +9,9 @@ prompt runs alone (batch 1), greedy, `ignore_eos`, so every configuration
 emits the same tokens; per set it reports tok/s against speculation off
 measured in the same run, the acceptance at each draft position (of the
 verifies that drafted a position, the share whose draft was accepted up to
-and including it) and the mean tokens each verify accepted.
+and including it), the mean tokens each verify accepted, and where a step's
+time goes: a plain decode step, the drafting of a verify step (host lookup
+for n-gram, the head's K forwards for eagle) and the verify forward itself.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from pathlib import Path
 from benchmarks.common import chat_ids, engine_run, load, table
 from models.builder import ProposerConfig, build_runner
 from models.eagle_head import read_head_config
+from models.heads import BUNDLED_HEAD_DIR
 from models.runner import ModelRunner, RunnerConfig
 from scheduler.types import Batch, StepOutput
 
 PROMPT_SET_DIR = Path(__file__).parent / "prompt_sets"
 HELD_OUT_SETS = ("chat", "code", "creative")
-DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "models" / "heads" / "smollm2-135m-instruct"
 
 
 @dataclass
@@ -38,8 +40,14 @@ class PositionTally:
     accepted: list[int] = field(default_factory=list)
     verifies: int = 0
     accepted_tokens: int = 0
+    # Seconds and steps per runner phase ("draft", "verify", "decode", "prefill"): what a token costs.
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    phase_steps: dict[str, int] = field(default_factory=dict)
 
     def add(self, output: StepOutput) -> None:
+        for phase, seconds in output.phase_seconds.items():
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+            self.phase_steps[phase] = self.phase_steps.get(phase, 0) + 1
         for row in output.rows:
             if not row.num_draft_tokens:
                 continue
@@ -55,6 +63,10 @@ class PositionTally:
     def rates(self, k: int) -> list[float | None]:
         return [self.accepted[j] / self.drafted[j] if j < len(self.drafted) and self.drafted[j] else None
                 for j in range(k)]  # fmt: skip
+
+    def ms_per_step(self, phase: str) -> float | None:
+        steps = self.phase_steps.get(phase)
+        return 1000 * self.phase_seconds[phase] / steps if steps else None
 
     @property
     def mean_accepted(self) -> float | None:
@@ -89,7 +101,7 @@ def draft_section(
     dtype: str, max_tokens: int, model: str | None, device: str, head_dir: Path | None, per_set: int, k: int = 4
 ) -> tuple[str, list[dict]]:
     target = load(dtype, model, device)
-    head_dir = head_dir or DEFAULT_HEAD
+    head_dir = head_dir or BUNDLED_HEAD_DIR
     training = read_head_config(head_dir).training
     configs = [
         ("off", "none", False),
@@ -124,17 +136,30 @@ def draft_section(
         off_tps = results["off"][0]
         for name, (tps, tally) in results.items():
             rates = tally.rates(k)
+            ms = [tally.ms_per_step(phase) for phase in ("decode", "draft", "verify")]
             rows.append([set_name, name, tps, tps / off_tps, tally.mean_accepted,
-                         *(f"{r:.2f}" if r is not None else "-" for r in rates)])  # fmt: skip
+                         *(f"{r:.2f}" if r is not None else "-" for r in rates), *ms])  # fmt: skip
             records.append({"dtype": str(target.dtype).removeprefix("torch."), "set": set_name, "config": name,
                             "tps": tps, "vs_off": tps / off_tps, "mean_accepted_per_verify": tally.mean_accepted,
-                            "acceptance_by_position": rates, "verifies": tally.verifies})  # fmt: skip
-    headers = ["set", "config", "tok/s", "vs off", "accepted / verify", *(f"pos {j + 1}" for j in range(k))]
+                            "acceptance_by_position": rates, "verifies": tally.verifies,
+                            "ms_decode_step": ms[0], "ms_draft_phase": ms[1], "ms_verify_forward": ms[2]})  # fmt: skip
+    headers = ["set", "config", "tok/s", "vs off", "accepted / verify", *(f"pos {j + 1}" for j in range(k)),
+               "ms decode step", "ms drafting", "ms verify forward"]  # fmt: skip
     dtype_name = str(target.dtype).removeprefix("torch.")
     text = (
         f"### Draft head vs n-gram at batch 1 ({dtype_name}, {max_tokens} new tokens, "
         f"first {per_set} prompts of each held-out set, {time.strftime('%Y-%m-%d')})\n\n"
-        f"Head: `{head_dir}` (trained: {json.dumps({k_: v for k_, v in training.items() if k_ != 'curve'})})\n\n"
-        + table(headers, rows)
+        f"Head: `{head_dir}`: {_head_summary(training)}\n\n" + table(headers, rows)
     )
     return text, records
+
+
+def _head_summary(training: dict) -> str:
+    """What the head was trained on and its own held-out numbers, from its training record."""
+    data, held = training.get("data", {}), training.get("held_out", {})
+    minutes = training.get("phase_minutes", {})
+    return (
+        f"{data.get('answer_tokens_train', '?')} answer tokens of {data.get('prompts', '?')} prompts, "
+        f"{training.get('training', {}).get('steps', '?')} steps, "
+        f"{sum(minutes.values()):.1f} min in all; held-out acceptance per position {held.get('per_position')}"
+    )

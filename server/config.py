@@ -18,6 +18,7 @@ from pydantic import ByteSize, Field, SecretStr, TypeAdapter, field_validator, m
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
+from models.heads import BUNDLED_HEAD_DIR
 from scheduler.types import MAX_SPEC_TOKENS
 
 ENV_PREFIX = "SPECD_"
@@ -27,7 +28,6 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 # Default KV memory: what 16 sequences of max_model_len held when each had a fixed slot.
 DEFAULT_KV_SEQUENCES = 16
 # The EAGLE head `--draft eagle` serves the bundled model with when no --draft-head is given.
-DEFAULT_HEAD_DIR = Path(__file__).resolve().parents[1] / "models" / "heads" / "smollm2-135m-instruct"
 
 CommaList = Annotated[list[str], NoDecode]
 _BYTES = TypeAdapter(ByteSize)
@@ -201,9 +201,9 @@ class Settings(BaseSettings):
         if self.draft == "eagle" and not self.draft_head:
             if self.model is not None:
                 raise ValueError("--draft eagle needs --draft-head DIR (a head trained for --model)")
-            if not DEFAULT_HEAD_DIR.is_dir():
+            if not BUNDLED_HEAD_DIR.is_dir():
                 raise ValueError(
-                    f"--draft eagle needs --draft-head DIR: the bundled model's default head ({DEFAULT_HEAD_DIR}) "
+                    f"--draft eagle needs --draft-head DIR: the bundled model's default head ({BUNDLED_HEAD_DIR}) "
                     "does not exist (`specd train-draft` makes one)"
                 )
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
@@ -220,7 +220,7 @@ class Settings(BaseSettings):
     def resolved_draft_head(self) -> Path | None:
         if self.resolved_draft != "eagle":
             return None
-        return self.draft_head or DEFAULT_HEAD_DIR
+        return self.draft_head or BUNDLED_HEAD_DIR
 
     @property
     def resolved_num_speculative_tokens(self) -> int:
