@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmarks on one GPU, offline, in under 8 minutes:
+# The benchmarks on one GPU, offline, in about 8 minutes (12 with step 4):
 #   1. memory bandwidth (a torch device-to-device copy) and the target's bf16
 #      weight bytes: the bandwidth floor of one decode step;
 #   2. the engine step (benchmarks.engine_bench --section step: ms per step by
@@ -8,7 +8,9 @@
 #   3. the serving benchmark, speculation off / on / auto, for the target with
 #      the n-gram proposer, with a draft cut from it by benchmarks/make_draft.py,
 #      and with an EAGLE draft head when one is given (or bundled for the default model);
-#   4. a short table, printed last.
+#   4. `specd train-draft` on the GPU for TRAIN_MINUTES (data from the target, training,
+#      held-out acceptance), then the serving benchmark with that head;
+#   5. a short table, printed last.
 #
 #   bash benchmarks/gpu_run.sh [OUT_DIR]          # default benchmarks/results/gpu-<date>
 #
@@ -19,6 +21,7 @@
 #   DRAFT_LAYERS  layers kept in the draft [8]
 #   DRAFT_HEAD    EAGLE head directory for the target [models/heads/smollm2-135m-instruct if MODEL is unset
 #                 and it exists; else the eagle run is skipped]
+#   TRAIN_MINUTES training budget of the GPU-trained head; 0 skips step 4 [2]
 #   MAX_TOKENS    tokens per request [128]
 #   CONCURRENCY   serving levels, n-gram run [1,2,4,8,16,32]; the draft run uses DRAFT_CONCURRENCY [1,4,16]
 #   WHEELS        folder of wheels to install (no network) into a private folder before starting
@@ -123,6 +126,16 @@ if [ -n "$DRAFT_HEAD" ]; then
     serve eagle "$DRAFT_CONCURRENCY" --draft eagle --draft-head "$DRAFT_HEAD"
 else
     echo "no EAGLE draft head for this target (DRAFT_HEAD): eagle run skipped" >&2
+fi
+TRAIN_MINUTES=${TRAIN_MINUTES:-2}
+if [ "$TRAIN_MINUTES" != 0 ]; then
+    stamp "train-draft on $DEVICE, $TRAIN_MINUTES min"
+    if timeout 420 "$PYTHON" -m server.cli train-draft --device "$DEVICE" --dtype bfloat16 ${MODEL:+--model "$MODEL"} \
+        --out "$OUT_DIR/head" --minutes "$TRAIN_MINUTES" --max-num-seqs 64 > "$OUT_DIR/train_draft.log" 2>&1; then
+        serve eagle-trained-here "$DRAFT_CONCURRENCY" --draft eagle --draft-head "$OUT_DIR/head"
+    else
+        echo "train-draft failed or ran out of time (see $OUT_DIR/train_draft.log)" >&2
+    fi
 fi
 
 stamp "summary"
