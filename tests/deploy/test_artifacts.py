@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import threading
+import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -332,8 +333,12 @@ def test_dockerfile():
         "/home/specd/.cache/huggingface",
     }
     assert 'ENTRYPOINT ["specd"]' in text and 'CMD ["serve", "--host", "0.0.0.0"]' in text
-    for path in re.findall(r"^COPY (\S+)", text, re.M):
+    copied = re.findall(r"^COPY (\S+)", text, re.M)
+    for path in copied:
         assert path in ("pyproject.toml", "README.md") or (REPO / path).is_dir(), path
+    # `pip install .` installs what pyproject lists: every listed package must be in the image.
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {p.rstrip("*") for p in packages} <= set(copied)
 
 
 class _ComposeLoader(yaml.SafeLoader):
