@@ -35,7 +35,7 @@ from server.serving import ServingContext
 from server.traffic import TrafficLog
 
 if TYPE_CHECKING:
-    from models.loader import LoadedModel
+    from models.loader import LoadedModel, ModelConfig
     from models.runner import ModelRunner
 
 logger = logging.getLogger("specd.server")
@@ -52,22 +52,27 @@ class Components:
     scheduler_config: SchedulerConfig
 
 
+def model_config(settings: Settings) -> ModelConfig:
+    """The target's loading settings, as `serve`, `generate` and `train-draft` all take them."""
+    from models.loader import ModelConfig
+
+    return ModelConfig(
+        model=settings.model,
+        dtype=settings.dtype,
+        device=settings.device,
+        cache_dir=settings.cache_dir,
+        revision=settings.revision,
+        trust_remote_code=settings.trust_remote_code,
+    )
+
+
 def build_components(settings: Settings) -> Components:
     """Load the target (and draft) and build the runner. Slow; run it off the event loop."""
     from models.builder import ProposerConfig, build_runner
-    from models.loader import ModelConfig, load_model
+    from models.loader import load_model
     from models.runner import RunnerConfig
 
-    loaded = load_model(
-        ModelConfig(
-            model=settings.model,
-            dtype=settings.dtype,
-            device=settings.device,
-            cache_dir=settings.cache_dir,
-            revision=settings.revision,
-            trust_remote_code=settings.trust_remote_code,
-        )
-    )
+    loaded = load_model(model_config(settings))
     max_model_len = settings.max_model_len or min(DEFAULT_MAX_MODEL_LEN, loaded.max_position_embeddings)
     runner = build_runner(
         loaded,

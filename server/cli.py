@@ -322,7 +322,7 @@ def train_draft(args: argparse.Namespace) -> int:
     if settings is None:
         return 2
     configure_logging(settings.log_level)
-    from models.loader import ModelConfig
+    from server.app import model_config
     from training.data import DataConfig
     from training.pipeline import TrainDraftConfig
     from training.pipeline import train_draft as run_training
@@ -330,14 +330,7 @@ def train_draft(args: argparse.Namespace) -> int:
 
     try:
         config = TrainDraftConfig(
-            model=ModelConfig(
-                model=settings.model,
-                dtype=settings.dtype,
-                device=settings.device,
-                cache_dir=settings.cache_dir,
-                revision=settings.revision,
-                trust_remote_code=settings.trust_remote_code,
-            ),
+            model=model_config(settings),
             out=args.out,
             prompt_files=args.prompts,
             shipped_prompts=args.shipped_prompts,
