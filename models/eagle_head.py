@@ -32,6 +32,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from models.kv_cache import text_config
+
 HEAD_FORMAT = 1
 CONFIG_FILE = "eagle_head.json"
 WEIGHTS_FILE = "eagle_head.safetensors"
@@ -53,7 +55,7 @@ class TargetIdentity:
 
     @classmethod
     def of(cls, model) -> TargetIdentity:
-        config = _text_config(model.config)
+        config = text_config(model.config)
         embed = model.get_input_embeddings().weight.detach()
         digest = hashlib.sha256(embed.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
         return cls(
@@ -94,7 +96,7 @@ class HeadConfig:
     @classmethod
     def for_target(cls, model, draft_vocab_size: int) -> HeadConfig:
         """A head shaped like one of the target's own layers."""
-        config = _text_config(model.config)
+        config = text_config(model.config)
         heads = config.num_attention_heads
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
@@ -257,7 +259,3 @@ def load_head(head_dir: Path, target_model, attn_implementation: str = "specd") 
 
 def _output_weight(model) -> torch.Tensor:
     return model.get_output_embeddings().weight.detach()
-
-
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
-from models.kv_cache import KVCache, StepLayout
+from models.kv_cache import KVCache, StepLayout, text_config
 
 # Config fields of models whose logits are not plain `lm_head(h)` (Gemma's softcap, Cohere's and
 # Granite's scales): `forward_with_hidden` would get them wrong, so a head cannot serve them.
@@ -59,7 +59,7 @@ def forward_with_hidden(
 
 def check_plain_logits(model) -> None:
     """Raise ValueError for a model `forward_with_hidden` cannot reproduce (see LOGIT_TRANSFORMS)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     for name in LOGIT_TRANSFORMS:
         if getattr(config, name, None) not in (None, 1, 1.0):
             raise ValueError(f"{type(model).__name__} transforms its logits ({name}); a draft head cannot serve it")

@@ -253,7 +253,7 @@ class KVCache:
     @staticmethod
     def dims(config) -> tuple[int, int, int]:
         """(layers, kv heads, head dim) of an HF model config."""
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        config = text_config(config)
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
@@ -287,6 +287,11 @@ class KVCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self.layout is None else max(g.plan.max_kv for g in self.layout.groups)
+
+
+def text_config(config):
+    """The language model's part of an HF config (a multimodal config nests it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
