@@ -10,7 +10,10 @@ Rule (documented in README, "How `auto` decides"):
   per draft position j, of verify steps that reached j and that accepted it;
   their ratio a_j = P(draft j accepted | drafts before it accepted) is shrunk
   toward the recent rate of requests with the same proposer (a new request
-  starts from what its peers achieved). The k-th draft token of a row yields
+  starts from what its peers achieved; the peers' weight fades as the row's
+  own history grows, and a row whose first draft fares worse than its peers'
+  gets their later rates scaled down alike, since those are the copying rows').
+  The k-th draft token of a row yields
   an extra token with probability g_k = a_1 * ... * a_k. How many accepted
   tokens the plans expected against how many they got is tracked and shown
   (`gain_scale`), not applied: one batch-wide factor would lend a copying
@@ -41,7 +44,9 @@ Rule (documented in README, "How `auto` decides"):
   emitted tokens confirm or refute at no verify cost, so acceptance that
   jumps (a request starts quoting) is seen within a step or two. A draft
   model or an EAGLE head cannot shadow for free: its rows probe with one draft token after
-  `probe_interval` plain steps (doubling to 64 while probes fail).
+  `probe_interval` plain steps (doubling to 8x while probes fail, halving again as they
+  succeed). A due probe takes along every row past half its wait, and a step that
+  verifies anyway takes them too, so probes share verify steps.
 * `spec_disable_batch_size` is the operator's hard cap: with more running
   requests, auto rows run the plain path. None (the default): no cap.
 """
@@ -58,6 +63,9 @@ MODEL_FREE_PROPOSERS = ("ngram", "prediction", "suffix")
 # Proposers that draft with forwards on the device: each draft position costs one more forward.
 DEVICE_PROPOSERS = ("draft_model", "eagle")
 PRICED_PROPOSERS = ("suffix",)  # their drafts carry per-token probabilities
+PEER_WEIGHT = 2.0  # a new row's estimate weighs its peers' rates as this many verify steps of its own
+MIN_PEER_WEIGHT = 1e-3  # keeps positions the row never reached at the peers' rate
+MAX_PROBE_BACKOFF = 3  # a failing row's probe wait doubles up to probe_interval * 8
 # Per-token probabilities of the drafts the proposer would make now for these requests (at most
 # k tokens each): the runner's answer to the policy while it plans a step.
 Preview = Callable[[list[Request], list[int]], list[list[float]]]
@@ -172,6 +180,9 @@ class Shadow:
 class AcceptanceState:
     method: str | None  # the request's proposer
     counts: PositionCounts = field(default_factory=PositionCounts)
+    # Weight of the peers' rates in this row's estimate, in verify steps: it fades as the
+    # row's own history does, so a row's own record decides once it has one.
+    peer_weight: float = PEER_WEIGHT
     plain_steps: int = 0
     probe_backoff: int = 0
     shadow: Shadow | None = None
@@ -297,10 +308,15 @@ class SpecPolicy:
             ks = _shrink(ks, -budget)
             budget = 0
         plan, budget = self._choose(requests, candidates, ks, budget, prefill)
-        for i in auto_rows:
-            if self._probe_due(requests[i], ks[i]) and budget > 0:
-                ks[i] = 1
-                budget -= 1
+        waited = {i: self._probe_wait(requests[i], ks[i]) for i in auto_rows}
+        # A probe makes a plain step a verify step. So once one is due (or the step verifies
+        # anyway), every row past half its wait probes with it: a large batch pays one verify
+        # step per round of probes instead of one per row, each row at its own time.
+        if any(w >= 1.0 for w in waited.values()) or any(ks):
+            for i, w in waited.items():
+                if w >= 0.5 and budget > 0:
+                    ks[i] = 1
+                    budget -= 1
         return ks, plan
 
     def _priced_candidates(
@@ -377,17 +393,18 @@ class SpecPolicy:
         predicted = seconds + prefill_seconds if cost.is_fitted else None
         return StepPlan(expected, predicted, len(requests), edge), budget
 
-    def _probe_due(self, request: Request, k: int) -> bool:
-        """Whether a row that stopped drafting, and cannot shadow, should draft one token now."""
+    def _probe_wait(self, request: Request, k: int) -> float:
+        """How far a row that stopped drafting, and cannot shadow, is through its wait for a
+        one-token probe (1: due); 0 for rows that draft or shadow."""
         state = self._state_for(request)
         if k:
             state.plain_steps = 0
             state.shadow = None  # its verify steps grade it now; a shadow would count the same tokens twice
-            return False
+            return 0.0
         if self.can_shadow(request):
-            return False
+            return 0.0
         state.plain_steps += 1
-        return state.plain_steps >= self.config.probe_interval << state.probe_backoff
+        return state.plain_steps / (self.config.probe_interval << state.probe_backoff)
 
     def wants_shadow(self, request: Request, k: int) -> int:
         """Shadow draft length for a row that runs plain this step (0: none)."""
@@ -407,11 +424,15 @@ class SpecPolicy:
         if priced:
             self.calibration.add(priced[:num_drafted], num_accepted)
         state.counts.add(num_drafted, num_accepted, self.config.decay)
+        state.peer_weight = max(state.peer_weight * self.config.decay, MIN_PEER_WEIGHT)
         method = self.method_of(request)
         if method is not None:
             self._recent.setdefault(method, PositionCounts()).add(num_drafted, num_accepted, keep=0.98)
         if state.plain_steps:  # this was a probe
-            state.probe_backoff = 0 if num_accepted else min(state.probe_backoff + 1, 3)
+            # One accepted token is weak evidence for a row that stopped paying: the wait
+            # shortens a step at a time, and the acceptance estimate decides the rest.
+            step = -1 if num_accepted else 1
+            state.probe_backoff = min(max(state.probe_backoff + step, 0), MAX_PROBE_BACKOFF)
         state.plain_steps = 0
 
     def observe_shadow(self, request: Request, draft_ids: list[int], emitted: list[int]) -> None:
@@ -454,17 +475,28 @@ class SpecPolicy:
 
         The request's own decayed counts, shrunk toward the recent rate at that
         position of requests with the same proposer (itself shrunk toward the
-        configured prior) with a weight of two verify steps: a new request
-        starts from what its peers recently earned, and its own history takes
-        over quickly. For prompt lookup the later positions run high (a copy
-        that started tends to continue), which a single per-token rate would miss.
+        configured prior) with a weight of two verify steps that fades as the
+        row's own history accumulates: a new request starts from what its peers
+        recently earned, its own history takes over quickly, and a row that
+        never accepts goes to zero instead of keeping a share of its peers'
+        luck. For prompt lookup the later positions run high (a copy that
+        started tends to continue), which a single per-token rate would miss.
         """
-        prior, weight = self.config.prior_acceptance, 2.0
+        prior, weight = self.config.prior_acceptance, state.peer_weight
         recent = self._recent.get(state.method) if state.method else None
-        rates = []
+        peers = [
+            prior if recent is None else (recent.accepted[j] + PEER_WEIGHT * prior) / (recent.reached[j] + PEER_WEIGHT)
+            for j in range(k)
+        ]
+        rates: list[float] = []
+        relative = 1.0
         for j in range(k):
-            peers = prior if recent is None else (recent.accepted[j] + weight * prior) / (recent.reached[j] + weight)
-            rates.append((state.counts.accepted[j] + weight * peers) / (state.counts.reached[j] + weight))
+            # Peers' later positions are earned by the rows that reach them (the copying ones):
+            # a row whose own first draft fares worse than its peers' gets those rates scaled
+            # down in proportion, not a copier's long drafts.
+            rates.append((state.counts.accepted[j] + weight * peers[j] * relative) / (state.counts.reached[j] + weight))
+            if j == 0:
+                relative = min(rates[0] / peers[0], 1.0)
         return rates
 
     def _state_for(self, request: Request) -> AcceptanceState:

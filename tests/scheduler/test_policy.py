@@ -162,6 +162,48 @@ def test_a_new_request_starts_from_its_peers_acceptance():
     assert decide(policy, [predicted])[0] > 0
 
 
+def test_a_row_that_never_accepts_goes_to_zero_beside_copying_peers():
+    """Peers' rates start a row off; they do not keep a floor under a row whose own
+    record is nothing, nor lend it the copying rows' later positions."""
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(0.05, 0.001)))
+    copier, creative = req("copy"), req("creative")
+    for _ in range(30):
+        policy.observe(copier, 8, 8)
+        policy.observe(creative, 8, 0)
+    assert policy.acceptance("copy") > 0.9
+    assert policy.acceptance("creative") < 0.01
+    rates = policy._conditional_rates(req("new"), 8)
+    assert rates[0] > 0.5  # a new request starts from its peers
+    unlucky = req("unlucky")
+    for _ in range(3):
+        policy.observe(unlucky, 8, 0)
+    later = policy._conditional_rates(unlucky, 8)
+    rates = policy._conditional_rates(req("new2"), 8)  # the peers' profile now
+    scale = later[0] / rates[0]
+    assert scale < 0.5  # its first draft fares worse than its peers' ...
+    assert all(mine <= peer * scale + 1e-9 for mine, peer in zip(later[1:], rates[1:]))  # ... so do the later ones
+    assert decide(policy, [copier, creative]) == [8, 0]
+
+
+def test_probes_of_a_large_batch_share_verify_steps():
+    """Device-proposer rows that stopped paying probe one token at a time. Rows that
+    joined at different steps would each turn a different plain step into a verify
+    step; a due probe takes along every row past half its wait instead."""
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=4, probe_interval=8), "draft_model")
+    policy.cost = trained(linear(0.05, 0.001, 0.002, draft=0.004), drafts=(0, 1, 2, 4))
+    rows: list[Request] = []
+    verify_steps = 0
+    for step in range(400):
+        if step < 16:
+            rows.append(req(f"r{step}"))  # one joins per step: their waits are staggered
+        ks = decide(policy, rows)
+        for r, k in zip(rows, ks):
+            policy.observe(r, k, 0)  # nothing is ever accepted
+        verify_steps += step >= 200 and any(ks)
+    # Probing alone, each of 16 rows every 64 steps would make ~50 of these 200 steps verify.
+    assert verify_steps <= 16
+
+
 # -- through the scheduler, with a fake runner -------------------------------------
 
 COPY, CREATIVE = 7, 8
