@@ -1,0 +1,17 @@
+#!/bin/bash
+# The issue-11 sweep: copy (extraction), creative and a 50/50 mix, speculation off / on / auto,
+# concurrency 1-32, streamed chat, 64 tokens, greedy. Each traffic is one serve_bench run
+# (ratios inside one run), modes rotated within each of the repeats, each mode x load in its
+# own prefix-cache tenant. bf16 only where the CPU has native bf16.
+#   benchmarks/results/auto-s6/run.sh [DTYPE] [REPEATS]
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+DTYPE=${1:-auto}
+REPEATS=${2:-3}
+TAG=$([ "$DTYPE" = auto ] && (grep -q avx512_bf16 /proc/cpuinfo && echo bf16 || echo fp32) || echo "$DTYPE")
+for traffic in copy:extraction creative:creative mix:extraction,creative; do
+  name=${traffic%%:*}; sets=${traffic#*:}
+  PYTHONUNBUFFERED=1 .venv/bin/python -m benchmarks.serve_bench --prompt-sets "$sets" \
+    --concurrency 1,2,4,8,16,32 --max-tokens 64 --max-model-len 2048 --dtype "$DTYPE" \
+    --repeats "$REPEATS" --isolate-runs --out-dir "benchmarks/results/auto-s6/$name-$TAG"
+done
