@@ -13,8 +13,8 @@ Rule (documented in README, "How `auto` decides"):
   starts from what its peers achieved; the peers' weight fades as the row's
   own history grows, and a row whose first draft fares worse than its peers'
   gets their later rates scaled down alike, since those are the copying rows').
-  The k-th draft token of a row yields
-  an extra token with probability g_k = a_1 * ... * a_k. How many accepted
+  The k-th draft token of a row yields an extra token with probability
+  g_k = a_1 * ... * a_k. How many accepted
   tokens the plans expected against how many they got is tracked and shown
   (`gain_scale`), not applied: one batch-wide factor would lend a copying
   row's luck to a creative row beside it.
@@ -495,7 +495,7 @@ class SpecPolicy:
             # a row whose own first draft fares worse than its peers' gets those rates scaled
             # down in proportion, not a copier's long drafts.
             rates.append((state.counts.accepted[j] + weight * peers[j] * relative) / (state.counts.reached[j] + weight))
-            if j == 0:
+            if j == 0 and peers[0] > 0:
                 relative = min(rates[0] / peers[0], 1.0)
         return rates
 
