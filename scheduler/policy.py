@@ -64,7 +64,7 @@ MODEL_FREE_PROPOSERS = ("ngram", "prediction", "suffix")
 DEVICE_PROPOSERS = ("draft_model", "eagle")
 PRICED_PROPOSERS = ("suffix",)  # their drafts carry per-token probabilities
 PEER_WEIGHT = 2.0  # a new row's estimate weighs its peers' rates as this many verify steps of its own
-MIN_PEER_WEIGHT = 1e-3  # keeps positions the row never reached at the peers' rate
+MIN_PEER_WEIGHT = 1e-3  # a floor that keeps the weight from underflowing
 MAX_PROBE_BACKOFF = 3  # a failing row's probe wait doubles up to probe_interval * 8
 # Per-token probabilities of the drafts the proposer would make now for these requests (at most
 # k tokens each): the runner's answer to the policy while it plans a step.
@@ -180,9 +180,10 @@ class Shadow:
 class AcceptanceState:
     method: str | None  # the request's proposer
     counts: PositionCounts = field(default_factory=PositionCounts)
-    # Weight of the peers' rates in this row's estimate, in verify steps: it fades as the
-    # row's own history does, so a row's own record decides once it has one.
-    peer_weight: float = PEER_WEIGHT
+    # Weight of the peers' rate at each draft position in this row's estimate, in verify
+    # steps: it fades as the row reaches that position, so where a row has a record of its
+    # own that record decides, and a position it rarely reaches keeps its peers' rate.
+    peer_weights: list[float] = field(default_factory=lambda: [PEER_WEIGHT] * MAX_SPEC_TOKENS)
     plain_steps: int = 0
     probe_backoff: int = 0
     shadow: Shadow | None = None
@@ -424,7 +425,9 @@ class SpecPolicy:
         if priced:
             self.calibration.add(priced[:num_drafted], num_accepted)
         state.counts.add(num_drafted, num_accepted, self.config.decay)
-        state.peer_weight = max(state.peer_weight * self.config.decay, MIN_PEER_WEIGHT)
+        weights = state.peer_weights
+        for j in range(min(num_drafted, num_accepted + 1)):  # the positions this draft reached
+            weights[j] = max(weights[j] * self.config.decay, MIN_PEER_WEIGHT)
         method = self.method_of(request)
         if method is not None:
             self._recent.setdefault(method, PositionCounts()).add(num_drafted, num_accepted, keep=0.98)
@@ -475,14 +478,15 @@ class SpecPolicy:
 
         The request's own decayed counts, shrunk toward the recent rate at that
         position of requests with the same proposer (itself shrunk toward the
-        configured prior) with a weight of two verify steps that fades as the
-        row's own history accumulates: a new request starts from what its peers
-        recently earned, its own history takes over quickly, and a row that
-        never accepts goes to zero instead of keeping a share of its peers'
-        luck. For prompt lookup the later positions run high (a copy that
+        configured prior) with a weight of two verify steps that fades, position
+        by position, as the row reaches that position itself: a new request
+        starts from what its peers recently earned, its own history takes over
+        quickly, a row that never accepts goes to zero instead of keeping a
+        share of its peers' luck, and a position the row rarely reaches keeps
+        the peers' rate rather than one or two observations of its own. For prompt lookup the later positions run high (a copy that
         started tends to continue), which a single per-token rate would miss.
         """
-        prior, weight = self.config.prior_acceptance, state.peer_weight
+        prior, weights = self.config.prior_acceptance, state.peer_weights
         recent = self._recent.get(state.method) if state.method else None
         peers = [
             prior if recent is None else (recent.accepted[j] + PEER_WEIGHT * prior) / (recent.reached[j] + PEER_WEIGHT)
@@ -494,6 +498,7 @@ class SpecPolicy:
             # Peers' later positions are earned by the rows that reach them (the copying ones):
             # a row whose own first draft fares worse than its peers' gets those rates scaled
             # down in proportion, not a copier's long drafts.
+            weight = weights[j]
             rates.append((state.counts.accepted[j] + weight * peers[j] * relative) / (state.counts.reached[j] + weight))
             if j == 0 and peers[0] > 0:
                 relative = min(rates[0] / peers[0], 1.0)
