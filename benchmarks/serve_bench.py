@@ -63,6 +63,9 @@ COUNTERS = {
     "specd_spec_decode_num_drafts_total": "num_drafts",
     "specd_spec_decode_num_draft_tokens_total": "num_draft_tokens",
     "specd_spec_decode_num_accepted_tokens_total": "num_accepted_tokens",
+    # The policy's cost model, checked: step time predicted against measured (steps with a prediction).
+    "specd_cost_model_predicted_seconds_total": "cost_predicted_seconds",
+    "specd_cost_model_observed_seconds_total": "cost_observed_seconds",
 }
 
 
@@ -360,6 +363,10 @@ def summarize(
         "acceptance_rate": ratio(delta["num_accepted_tokens"], delta["num_draft_tokens"]),
         "mean_acceptance_length": None if accepted_per_draft is None else 1 + accepted_per_draft,
         "spec_step_share": ratio(delta["steps_spec"], num_steps),
+        # Summed over the run's steps: 1.0 is a cost model that predicted the run's time exactly.
+        "step_time_predicted_over_measured": ratio(
+            delta.get("cost_predicted_seconds", 0.0), delta.get("cost_observed_seconds", 0.0)
+        ),
         "acceptance_rate_usage": ratio(num_accepted, num_accepted + sum(r.num_rejected for r in done)),
         "tokens_per_chunk": ratio(sum(sum(r.chunk_tokens) for r in done), sum(len(r.chunk_tokens) for r in done)),
         "server_counters": dict(delta),

@@ -4,12 +4,19 @@
 # (ratios inside one run), modes rotated within each of the repeats, each mode x load in its
 # own prefix-cache tenant. bf16 only where the CPU has native bf16.
 #   benchmarks/results/auto-s6/run.sh [DTYPE] [REPEATS]
+#   TRAFFIC=mix:extraction,creative benchmarks/results/auto-s6/run.sh float32 2   # the float32 rows
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 DTYPE=${1:-auto}
 REPEATS=${2:-3}
-TAG=$([ "$DTYPE" = auto ] && (grep -q avx512_bf16 /proc/cpuinfo && echo bf16 || echo fp32) || echo "$DTYPE")
-for traffic in copy:extraction creative:creative mix:extraction,creative; do
+case "$DTYPE" in
+  auto) TAG=$(grep -q avx512_bf16 /proc/cpuinfo && echo bf16 || echo fp32) ;;
+  float32) TAG=fp32 ;;
+  bfloat16) TAG=bf16 ;;
+  *) TAG=$DTYPE ;;
+esac
+# TRAFFIC: which of copy, creative, mix to run (all three by default).
+for traffic in ${TRAFFIC:-copy:extraction creative:creative mix:extraction,creative}; do
   name=${traffic%%:*}; sets=${traffic#*:}
   PYTHONUNBUFFERED=1 .venv/bin/python -m benchmarks.serve_bench --prompt-sets "$sets" \
     --concurrency 1,2,4,8,16,32 --max-tokens 64 --max-model-len 2048 --dtype "$DTYPE" \
