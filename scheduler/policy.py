@@ -483,8 +483,9 @@ class SpecPolicy:
         starts from what its peers recently earned, its own history takes over
         quickly, a row that never accepts goes to zero instead of keeping a
         share of its peers' luck, and a position the row rarely reaches keeps
-        the peers' rate rather than one or two observations of its own. For prompt lookup the later positions run high (a copy that
-        started tends to continue), which a single per-token rate would miss.
+        the peers' rate rather than one or two observations of its own. For
+        prompt lookup the later positions run high (a copy that started tends
+        to continue), which a single per-token rate would miss.
         """
         prior, weights = self.config.prior_acceptance, state.peer_weights
         recent = self._recent.get(state.method) if state.method else None
