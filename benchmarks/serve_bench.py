@@ -364,9 +364,7 @@ def summarize(
         "mean_acceptance_length": None if accepted_per_draft is None else 1 + accepted_per_draft,
         "spec_step_share": ratio(delta["steps_spec"], num_steps),
         # Summed over the run's steps: 1.0 is a cost model that predicted the run's time exactly.
-        "step_time_predicted_over_measured": ratio(
-            delta.get("cost_predicted_seconds", 0.0), delta.get("cost_observed_seconds", 0.0)
-        ),
+        "step_time_predicted_over_measured": ratio(delta["cost_predicted_seconds"], delta["cost_observed_seconds"]),
         "acceptance_rate_usage": ratio(num_accepted, num_accepted + sum(r.num_rejected for r in done)),
         "tokens_per_chunk": ratio(sum(sum(r.chunk_tokens) for r in done), sum(len(r.chunk_tokens) for r in done)),
         "server_counters": dict(delta),

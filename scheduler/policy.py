@@ -107,6 +107,12 @@ class SpecConfig:
         return cap is None or 0 < cap and num_running <= cap
 
 
+def reached_positions(num_drafted: int, num_accepted: int) -> range:
+    """Draft positions a verify reached (every draft before them accepted): the accepted
+    ones and the first rejected one, if any."""
+    return range(min(num_drafted, num_accepted + 1))
+
+
 @dataclass
 class PositionCounts:
     """Decayed counts per draft position j (0-based): verify steps that reached j
@@ -119,7 +125,7 @@ class PositionCounts:
         for j in range(MAX_SPEC_TOKENS):
             self.reached[j] *= keep
             self.accepted[j] *= keep
-        for j in range(min(num_drafted, num_accepted + 1)):
+        for j in reached_positions(num_drafted, num_accepted):
             self.reached[j] += 1.0
             if j < num_accepted:
                 self.accepted[j] += 1.0
@@ -426,7 +432,7 @@ class SpecPolicy:
             self.calibration.add(priced[:num_drafted], num_accepted)
         state.counts.add(num_drafted, num_accepted, self.config.decay)
         weights = state.peer_weights
-        for j in range(min(num_drafted, num_accepted + 1)):  # the positions this draft reached
+        for j in reached_positions(num_drafted, num_accepted):
             weights[j] = max(weights[j] * self.config.decay, MIN_PEER_WEIGHT)
         method = self.method_of(request)
         if method is not None:

@@ -27,7 +27,6 @@ DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 # Default KV memory: what 16 sequences of max_model_len held when each had a fixed slot.
 DEFAULT_KV_SEQUENCES = 16
-# The EAGLE head `--draft eagle` serves the bundled model with when no --draft-head is given.
 
 CommaList = Annotated[list[str], NoDecode]
 _BYTES = TypeAdapter(ByteSize)
