@@ -65,6 +65,7 @@ DEVICE_PROPOSERS = ("draft_model", "eagle")
 PRICED_PROPOSERS = ("suffix",)  # their drafts carry per-token probabilities
 PEER_WEIGHT = 2.0  # a new row's estimate weighs its peers' rates as this many verify steps of its own
 MIN_PEER_WEIGHT = 1e-3  # a floor that keeps the weight from underflowing
+RECENT_KEEP = 0.98  # weight of history in the peers' rates, per verify or shadow draft
 MAX_PROBE_BACKOFF = 3  # a failing row's probe wait doubles up to probe_interval * 8
 # Per-token probabilities of the drafts the proposer would make now for these requests (at most
 # k tokens each): the runner's answer to the policy while it plans a step.
@@ -121,14 +122,19 @@ class PositionCounts:
     reached: list[float] = field(default_factory=lambda: [0.0] * MAX_SPEC_TOKENS)
     accepted: list[float] = field(default_factory=lambda: [0.0] * MAX_SPEC_TOKENS)
 
-    def add(self, num_drafted: int, num_accepted: int, keep: float) -> None:
+    def decay(self, keep: float) -> None:
         for j in range(MAX_SPEC_TOKENS):
             self.reached[j] *= keep
             self.accepted[j] *= keep
+
+    def record(self, position: int, accepted: bool) -> None:
+        self.reached[position] += 1.0
+        self.accepted[position] += accepted
+
+    def add(self, num_drafted: int, num_accepted: int, keep: float) -> None:
+        self.decay(keep)
         for j in reached_positions(num_drafted, num_accepted):
-            self.reached[j] += 1.0
-            if j < num_accepted:
-                self.accepted[j] += 1.0
+            self.record(j, j < num_accepted)
 
 
 @dataclass
@@ -421,22 +427,16 @@ class SpecPolicy:
         return 0 if state.shadow is not None else self.k_max(request)
 
     # -- learning --
-    def observe(self, request: Request, num_drafted: int, num_accepted: int, probs: list[float] | None = None) -> None:
-        """Record a verify step of `request` (drafts it actually carried), or a graded shadow
-        (`probs`: the shadow's token probabilities; a verify step's are the step's preview)."""
+    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """Record a verify step of `request`: the drafts it actually carried, and how many were accepted."""
         if num_drafted == 0:
             return
         state = self._state_for(request)
-        priced = state.draft_probs if probs is None else probs
-        if priced:
-            self.calibration.add(priced[:num_drafted], num_accepted)
-        state.counts.add(num_drafted, num_accepted, self.config.decay)
-        weights = state.peer_weights
+        if state.draft_probs:
+            self.calibration.add(state.draft_probs[:num_drafted], num_accepted)
+        self._begin_grading(state)
         for j in reached_positions(num_drafted, num_accepted):
-            weights[j] = max(weights[j] * self.config.decay, MIN_PEER_WEIGHT)
-        method = self.method_of(request)
-        if method is not None:
-            self._recent.setdefault(method, PositionCounts()).add(num_drafted, num_accepted, keep=0.98)
+            self._grade(state, j, j < num_accepted)
         if state.plain_steps:  # this was a probe
             # One accepted token is weak evidence for a row that stopped paying: the wait
             # shortens a step at a time, and the acceptance estimate decides the rest.
@@ -445,21 +445,38 @@ class SpecPolicy:
         state.plain_steps = 0
 
     def observe_shadow(self, request: Request, draft_ids: list[int], emitted: list[int]) -> None:
-        """Grade the row's pending shadow draft (starting `draft_ids` if none) with its emitted tokens."""
+        """Grade the row's pending shadow draft (starting `draft_ids` if none) with its emitted
+        tokens, a position at a time: each confirmed or refuted position counts at once, so a
+        row that starts quoting drafts again a step or two later, not after its whole shadow."""
         state = self._state_for(request)
         if state.shadow is None and draft_ids:
             state.shadow = Shadow(list(draft_ids), state.draft_probs[: len(draft_ids)])
+            self._begin_grading(state)
         shadow = state.shadow
         for token in emitted:
             if shadow is None:
                 break
-            if token == shadow.token_ids[shadow.matched]:
-                shadow.matched += 1
-                if shadow.matched < len(shadow.token_ids):
-                    continue
-            state.shadow = None
-            self.observe(request, len(shadow.token_ids), shadow.matched, shadow.probs)
-            shadow = None
+            accepted = token == shadow.token_ids[shadow.matched]
+            self._grade(state, shadow.matched, accepted)
+            shadow.matched += accepted
+            if not accepted or shadow.matched == len(shadow.token_ids):
+                if shadow.probs:
+                    self.calibration.add(shadow.probs, shadow.matched)
+                state.shadow = shadow = None
+
+    def _begin_grading(self, state: AcceptanceState) -> None:
+        """A new verify or shadow draft: one more observation, so the history decays once."""
+        state.counts.decay(self.config.decay)
+        if state.method is not None:
+            self._recent.setdefault(state.method, PositionCounts()).decay(RECENT_KEEP)
+
+    def _grade(self, state: AcceptanceState, position: int, accepted: bool) -> None:
+        """Draft `position` was reached (every earlier one accepted) and accepted or not."""
+        state.counts.record(position, accepted)
+        # The row's own record at this position grows: its peers' weight there fades.
+        state.peer_weights[position] = max(state.peer_weights[position] * self.config.decay, MIN_PEER_WEIGHT)
+        if state.method is not None:
+            self._recent[state.method].record(position, accepted)
 
     def observe_step(self, shape: StepShape, seconds: float, plan: StepPlan | None, emitted: int) -> None:
         """A finished step: its measured time teaches the cost model; its tokens check the plan."""
