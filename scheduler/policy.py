@@ -43,10 +43,12 @@ Rule (documented in README, "How `auto` decides"):
   Predicted Outputs) makes a *shadow* draft for it, which the row's next
   emitted tokens confirm or refute at no verify cost, so acceptance that
   jumps (a request starts quoting) is seen within a step or two. A draft
-  model or an EAGLE head cannot shadow for free: its rows probe with one draft token after
-  `probe_interval` plain steps (doubling to 8x while probes fail, halving again as they
-  succeed). A due probe takes along every row past half its wait, and a step that
-  verifies anyway takes them too, so probes share verify steps.
+  model or an EAGLE head cannot shadow for free: its rows probe with one
+  draft token after `probe_interval` plain steps (doubling to 8x while probes
+  fail, halving again as they succeed), or after more where the cost model
+  prices a round of probes above `probe_budget` (2%) of the plain steps
+  between rounds. A due probe takes along every row past half its wait, and
+  a step that verifies anyway takes them too, so probes share verify steps.
 * `spec_disable_batch_size` is the operator's hard cap: with more running
   requests, auto rows run the plain path. None (the default): no cap.
 """
@@ -95,7 +97,11 @@ class SpecConfig:
     adaptive: bool = True
     prior_acceptance: float = 0.6
     decay: float = 0.8  # weight of history in a request's acceptance estimate, per verify step
-    probe_interval: int = 8
+    probe_interval: int = 8  # plain steps before a row that cannot shadow probes (at least)
+    # Share of step time a round of probes may cost, spread over the steps between rounds:
+    # where a verify step costs much more than a plain one (a CPU at small batches) the
+    # wait grows past probe_interval so exploring stays within this share.
+    probe_budget: float = 0.02
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= MAX_SPEC_TOKENS:
@@ -321,7 +327,9 @@ class SpecPolicy:
             ks = _shrink(ks, -budget)
             budget = 0
         plan, budget = self._choose(requests, candidates, ks, budget, prefill)
-        waited = {i: self._probe_wait(requests[i], ks[i]) for i in auto_rows}
+        probing = [i for i in auto_rows if not ks[i] and not self.can_shadow(requests[i])]
+        interval = self._probe_interval(requests, len(probing), prefill)
+        waited = {i: self._probe_wait(requests[i], ks[i], interval) for i in auto_rows}
         # A probe makes a plain step a verify step. So once one is due (or the step verifies
         # anyway), every row past half its wait probes with it: a large batch pays one verify
         # step per round of probes instead of one per row, each row at its own time.
@@ -406,7 +414,23 @@ class SpecPolicy:
         predicted = seconds + prefill_seconds if cost.is_fitted else None
         return StepPlan(expected, predicted, len(requests), edge), budget
 
-    def _probe_wait(self, request: Request, k: int) -> float:
+    def _probe_interval(self, requests: list[Request], num_probes: int, prefill: StepShape) -> float:
+        """Plain steps between a row's probes before backoff: `probe_interval`, or more where one
+        round of `num_probes` one-token probes would cost more than `probe_budget` of the plain
+        steps it waits through. Priced by the cost model, so it holds on any machine."""
+        interval = float(self.config.probe_interval)
+        if not num_probes or not self.cost.is_fitted:
+            return interval
+        context = sum(r.num_computed_tokens + 1 for r in requests) + prefill.num_context
+        plain = StepShape(len(requests) + prefill.num_tokens, context)
+        probe = StepShape(plain.num_tokens + num_probes, context + num_probes, True, 1)
+        seconds = self.cost.predict(plain)
+        premium = self.cost.predict(probe) - seconds
+        if seconds <= 0.0 or premium <= 0.0:
+            return interval
+        return max(interval, premium / (self.config.probe_budget * seconds))
+
+    def _probe_wait(self, request: Request, k: int, interval: float) -> float:
         """How far a row that stopped drafting, and cannot shadow, is through its wait for a
         one-token probe (1: due); 0 for rows that draft or shadow."""
         state = self._state_for(request)
@@ -417,7 +441,7 @@ class SpecPolicy:
         if self.can_shadow(request):
             return 0.0
         state.plain_steps += 1
-        return state.plain_steps / (self.config.probe_interval << state.probe_backoff)
+        return state.plain_steps / (interval * (1 << state.probe_backoff))
 
     def wants_shadow(self, request: Request, k: int) -> int:
         """Shadow draft length for a row that runs plain this step (0: none)."""

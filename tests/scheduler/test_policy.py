@@ -205,6 +205,38 @@ def test_probes_of_a_large_batch_share_verify_steps():
     assert verify_steps <= 16
 
 
+def probe_steps(policy: SpecPolicy, steps: int) -> list[int]:
+    """Steps on which one never-accepting draft-model row probes, after it stopped drafting."""
+    row = req("p")
+    for _ in range(10):
+        policy.observe(row, 4, 0)
+    probes = []
+    for step in range(steps):
+        (k,) = decide(policy, [row])
+        if k:
+            probes.append(step)
+            policy.observe(row, k, 0)
+    return probes
+
+
+def test_probes_stay_within_their_share_of_step_time():
+    """Where a verify step costs little more than a plain one, a row probes after
+    `probe_interval` plain steps; where it costs 40% more (a CPU at small batches),
+    probing that often would spend 5% of the time on probes, so the wait grows to
+    keep a round's premium within `probe_budget` (2%) of the steps it waits through."""
+    cheap = SpecPolicy(SpecConfig(num_speculative_tokens=4, probe_interval=8), "draft_model")
+    cheap.cost = trained(linear(0.05, 0.0001, 0.0, draft=0.0005), drafts=(0, 1, 2, 4))
+    costly = SpecPolicy(SpecConfig(num_speculative_tokens=4, probe_interval=8), "draft_model")
+    costly.cost = trained(linear(0.05, 0.0001, 0.02, draft=0.0005), drafts=(0, 1, 2, 4))
+    cheap_probes, costly_probes = probe_steps(cheap, 300), probe_steps(costly, 300)
+    assert cheap_probes[0] == 7  # the 8th plain step probes
+    # A probe's premium, ~0.0206 s over a 0.0501 s step, is 2% of ~20.6 steps.
+    assert 20 <= costly_probes[0] <= 21
+    # Failing probes back off alike (doubling the wait) in both.
+    assert len(costly_probes) < len(cheap_probes)
+    assert len(costly_probes) * 0.0206 / (300 * 0.0501) <= 0.02
+
+
 # -- through the scheduler, with a fake runner -------------------------------------
 
 COPY, CREATIVE = 7, 8
