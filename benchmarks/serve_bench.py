@@ -66,6 +66,9 @@ COUNTERS = {
     # The policy's cost model, checked: step time predicted against measured (steps with a prediction).
     "specd_cost_model_predicted_seconds_total": "cost_predicted_seconds",
     "specd_cost_model_observed_seconds_total": "cost_observed_seconds",
+    # Running requests per step, summed, and the steps counted: the batch's mean occupancy.
+    "specd_batch_size_sum": "batch_rows",
+    "specd_batch_size_count": "batch_steps",
 }
 
 
@@ -363,6 +366,9 @@ def summarize(
         "acceptance_rate": ratio(delta["num_accepted_tokens"], delta["num_draft_tokens"]),
         "mean_acceptance_length": None if accepted_per_draft is None else 1 + accepted_per_draft,
         "spec_step_share": ratio(delta["steps_spec"], num_steps),
+        # A closed loop of equal-length requests keeps `off` in lock step (every slot busy to
+        # the end); a mode that finishes some requests early leaves slots idle in the tail.
+        "mean_batch_rows": ratio(delta["batch_rows"], delta["batch_steps"]),
         # Summed over the run's steps: 1.0 is a cost model that predicted the run's time exactly.
         "step_time_predicted_over_measured": ratio(delta["cost_predicted_seconds"], delta["cost_observed_seconds"]),
         "acceptance_rate_usage": ratio(num_accepted, num_accepted + sum(r.num_rejected for r in done)),
@@ -511,9 +517,9 @@ def markdown(report: dict) -> str:
     rows = [[r["mode"], load_label(r), f"{r['num_completed']}/{r['num_requests']}", fmt(r["request_throughput"], 2),
              fmt(r["output_throughput"]), pct(r["ttft_ms"], "p50"), pct(r["tpot_ms"], "p50"), pct(r["itl_ms"], "p50"),
              pct(r["e2e_ms"], "p50", 1e-3, 2), share(r["acceptance_rate"]), fmt(r["mean_acceptance_length"], 2),
-             share(r["spec_step_share"])] for r in runs]  # fmt: skip
+             share(r["spec_step_share"]), fmt(r.get("mean_batch_rows"), 1)] for r in runs]  # fmt: skip
     text.append(md_table(["mode", "load", "done", "req/s", "out tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms",
-                          "e2e p50 s", "accept", "accept len", "spec steps"], rows))  # fmt: skip
+                          "e2e p50 s", "accept", "accept len", "spec steps", "rows/step"], rows))  # fmt: skip
 
     def three(stats: dict | None, scale: float = 1.0, digits: int = 1) -> str:
         return " / ".join(pct(stats, q, scale, digits) for q in ("p50", "p95", "p99"))

@@ -71,6 +71,7 @@ def test_serve_bench_smoke(tmp_path, tiny_llama_dir, tiny_draft_dir):
         assert run["total_output_tokens"] == NUM_REQUESTS * MAX_TOKENS  # ignore_eos: same length in every mode
         assert run["request_throughput"] > 0 and run["output_throughput"] > 0 and run["duration_s"] > 0
         assert run["tokens_per_chunk"] >= 1
+        assert 1 <= run["mean_batch_rows"] <= run["load"]  # never more running than the clients
         check_latencies(run)
         check_speculation(run)
 
