@@ -163,6 +163,23 @@ def test_a_new_request_starts_from_its_peers_acceptance():
     assert decide(policy, [predicted])[0] > 0
 
 
+def test_the_first_draft_is_judged_by_how_the_previous_one_ended():
+    """A row that copies in stretches: a draft right after one accepted to its end is
+    accepted (the copy goes on), one after a miss mostly is not (the copy has not
+    resumed). Where a first draft token costs 40% of a step, a blended 50% rate would
+    draft in both; read in context, the row drafts after a full acceptance only."""
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(0.05, 0.02)))
+    r = req("stretches")
+    for _ in range(8):  # five verifies copying, then five that miss
+        for step in range(10):
+            policy.observe(r, 8, 8 if step < 5 else 0)
+    assert policy.acceptance("stretches") < 0.2  # it just missed: the copy has stopped
+    assert decide(policy, [r]) == [0]
+    policy.observe_shadow(r, [5] * 8, [5])  # its shadow's first token matches: copying again
+    assert policy.acceptance("stretches") > 0.7
+    assert decide(policy, [r]) == [8]
+
+
 def test_a_row_that_never_accepts_goes_to_zero_beside_copying_peers():
     """Peers' rates start a row off; they do not keep a floor under a row whose own
     record is nothing, nor lend it the copying rows' later positions."""
@@ -174,7 +191,9 @@ def test_a_row_that_never_accepts_goes_to_zero_beside_copying_peers():
     assert policy.acceptance("copy") > 0.9
     assert policy.acceptance("creative") < 0.01
     rates = policy._conditional_rates(req("new"), 8)
-    assert rates[0] > 0.5  # a new request starts from its peers
+    # A new request starts from its peers, in its context: its first draft follows none that
+    # was accepted to its end, where only the creative row drafted; past it, the copier's rates.
+    assert rates[0] < 0.1 and rates[1] > 0.9
     unlucky = req("unlucky")
     for _ in range(3):
         policy.observe(unlucky, 8, 0)
