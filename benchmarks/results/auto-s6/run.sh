@@ -5,9 +5,11 @@
 # own prefix-cache tenant. bf16 only where the CPU has native bf16.
 #   benchmarks/results/auto-s6/run.sh [DTYPE] [REPEATS]
 #   TRAFFIC=mix:extraction,creative benchmarks/results/auto-s6/run.sh float32 2   # the float32 rows
+#   OUT=benchmarks/results/auto-s7 benchmarks/results/auto-s6/run.sh                # another results folder
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 DTYPE=${1:-auto}
+OUT=${OUT:-benchmarks/results/auto-s6}
 REPEATS=${2:-3}
 case "$DTYPE" in
   auto) TAG=$(grep -q avx512_bf16 /proc/cpuinfo && echo bf16 || echo fp32) ;;
@@ -20,5 +22,5 @@ for traffic in ${TRAFFIC:-copy:extraction creative:creative mix:extraction,creat
   name=${traffic%%:*}; sets=${traffic#*:}
   PYTHONUNBUFFERED=1 .venv/bin/python -m benchmarks.serve_bench --prompt-sets "$sets" \
     --concurrency 1,2,4,8,16,32 --max-tokens 64 --max-model-len 2048 --dtype "$DTYPE" \
-    --repeats "$REPEATS" --isolate-runs --out-dir "benchmarks/results/auto-s6/$name-$TAG"
+    --repeats "$REPEATS" --isolate-runs --out-dir "$OUT/$name-$TAG"
 done
