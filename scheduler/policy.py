@@ -68,6 +68,12 @@ PRICED_PROPOSERS = ("suffix",)  # their drafts carry per-token probabilities
 PEER_WEIGHT = 2.0  # a new row's estimate weighs its peers' rates as this many verify steps of its own
 MIN_PEER_WEIGHT = 1e-3  # a floor that keeps the weight from underflowing
 RECENT_KEEP = 0.98  # weight of history in the peers' rates, per verify or shadow draft
+# A row's verify steps are chosen where its estimate is high, so they realise less than
+# planned (a maximum over noisy estimates is biased up). Each row keeps decayed sums of
+# the extra tokens its plans expected and those its verifies accepted; their ratio (at
+# most 1, starting from REALISED_PRIOR tokens as planned) scales its gains.
+REALISED_KEEP = 0.9
+REALISED_PRIOR = 2.0
 MAX_PROBE_BACKOFF = 3  # a failing row's probe wait doubles up to probe_interval * 8
 # Per-token probabilities of the drafts the proposer would make now for these requests (at most
 # k tokens each): the runner's answer to the policy while it plans a step.
@@ -222,6 +228,9 @@ class AcceptanceState:
     after_full: bool = False
     plain_steps: int = 0
     probe_backoff: int = 0
+    planned: float = 0.0  # decayed extra tokens this row's verify plans expected ...
+    realised: float = 0.0  # ... and accepted
+    plan_gains: list[float] = field(default_factory=list)  # this step's plan: g per drafted position
     shadow: Shadow | None = None
     draft_probs: list[float] = field(default_factory=list)  # this step's previewed draft, if priced
 
@@ -335,10 +344,10 @@ class SpecPolicy:
             if self.preview is not None and self.method_of(request) in PRICED_PROPOSERS:
                 priced.append(i)
                 continue
-            gain = 1.0
+            gain, share = 1.0, self._realised_share(request)
             for rate in self._conditional_rates(request, k_max):
                 gain *= rate  # P(draft j+1 accepted) = product of the conditional rates up to it
-                candidates.append((gain, i))
+                candidates.append((gain * share, i))
         candidates += self._priced_candidates(requests, priced, k_maxes)
         budget -= sum(ks)  # forced rows spend the budget first
         if budget < 0:
@@ -368,10 +377,10 @@ class SpecPolicy:
         candidates = []
         for i, probs in zip(rows, previews):
             self._state_for(requests[i]).draft_probs = probs
-            gain = 1.0
+            gain, share = 1.0, self._realised_share(requests[i])
             for p in probs:
                 gain *= self.calibration.rate(p)
-                candidates.append((gain, i))
+                candidates.append((gain * share, i))
         return candidates
 
     def _choose(self, requests, candidates, ks, budget, prefill: StepShape) -> tuple[StepPlan, int]:
@@ -400,6 +409,7 @@ class SpecPolicy:
             seconds, prefill_seconds, spec_cost, draft_cost = 1.0, 0.0, 0.0, 0.0
         plain_seconds, plain_expected = seconds, expected
         chosen = [0] * len(requests)
+        gains: list[list[float]] = [[] for _ in requests]
         for gain, i in sorted(candidates, key=lambda c: -c[0]):
             if budget <= 0:
                 break
@@ -409,6 +419,7 @@ class SpecPolicy:
             if gain * seconds <= extra * expected:
                 break
             chosen[i] += 1
+            gains[i].append(gain)
             if self.method_of(requests[i]) in DEVICE_PROPOSERS:
                 draft_positions = max(draft_positions, chosen[i])
             expected += gain
@@ -429,6 +440,9 @@ class SpecPolicy:
         for i, k in enumerate(chosen):
             if k:
                 ks[i] = k
+            if candidates:  # what the row's verify is expected to add, before the share scaled it
+                share = self._realised_share(requests[i])
+                self._state_for(requests[i]).plan_gains = [g / share for g in gains[i]] if k else []
         predicted = seconds + prefill_seconds if cost.is_fitted else None
         return StepPlan(expected, predicted, len(requests), edge), budget
 
@@ -476,6 +490,11 @@ class SpecPolicy:
         state = self._state_for(request)
         if state.draft_probs:
             self.calibration.add(state.draft_probs[:num_drafted], num_accepted)
+        if state.plan_gains:  # the verify the policy planned (not a probe nor a forced draft)
+            keep = REALISED_KEEP
+            state.planned = keep * state.planned + sum(state.plan_gains[:num_drafted])
+            state.realised = keep * state.realised + num_accepted
+            state.plan_gains = []
         self._begin_grading(state)
         after_full = state.after_full
         for j in reached_positions(num_drafted, num_accepted):
@@ -537,6 +556,11 @@ class SpecPolicy:
         """Estimated acceptance of the request's first draft token."""
         state = self._state.get(request_id)
         return None if state is None else self._rates(state, 1)[0]
+
+    def _realised_share(self, request: Request) -> float:
+        """The share of its planned extra tokens this row's verifies have accepted (at most 1)."""
+        state = self._state_for(request)
+        return min((state.realised + REALISED_PRIOR) / (state.planned + REALISED_PRIOR), 1.0)
 
     def _conditional_rates(self, request: Request, k: int) -> list[float]:
         return self._rates(self._state_for(request), k)

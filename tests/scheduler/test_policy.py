@@ -180,6 +180,36 @@ def test_the_first_draft_is_judged_by_how_the_previous_one_ended():
     assert decide(policy, [r]) == [8]
 
 
+def test_a_row_whose_verifies_fall_short_of_its_plans_drafts_less():
+    """Verify steps are chosen where a row's estimate is high, so they tend to realise
+    less than planned. Here the row's shadows match half the time (its estimate stays
+    near 0.5) while every verify it runs accepts nothing: the share of its planned
+    tokens that its verifies realised scales its gains down, and it stops verifying."""
+
+    def verify_steps(policy: SpecPolicy) -> int:
+        r = req("short")
+        count = 0
+        for step in range(200):
+            (k,) = decide(policy, [r])
+            if k:
+                policy.observe(r, k, 0)
+                count += step >= 100
+            else:
+                policy.observe_shadow(r, [5] * 8, [5 if step % 2 else 6])
+        return count
+
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(0.05, 0.01)))
+    assert verify_steps(policy) <= 8  # 55 of those 100 steps verified without the share
+    assert policy._realised_share(req("short")) < 0.3
+    # A row whose verifies accept what was planned keeps its full gains.
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(0.05, 0.01)))
+    copier = req("copier")
+    for _ in range(20):
+        (k,) = decide(policy, [copier])
+        policy.observe(copier, k, k)
+    assert policy._realised_share(copier) == 1.0 and decide(policy, [copier])[0] >= 6
+
+
 def test_a_row_that_never_accepts_goes_to_zero_beside_copying_peers():
     """Peers' rates start a row off; they do not keep a floor under a row whose own
     record is nothing, nor lend it the copying rows' later positions."""
