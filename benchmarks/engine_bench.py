@@ -5,6 +5,7 @@
     python -m benchmarks.engine_bench --section spec --max-tokens 128
     python -m benchmarks.engine_bench --section step --dtypes float32,bfloat16
     python -m benchmarks.engine_bench --section draft --dtypes auto   # draft head vs n-gram (benchmarks.draft_bench)
+    python -m benchmarks.engine_bench --section loop --dtypes auto --max-tokens 64   # auto vs off, on (loop_bench)
 
 Greedy, ignore_eos, so every configuration generates the same number of tokens.
 Every ratio is against a baseline measured in the same run on the same machine.
@@ -24,6 +25,7 @@ import torch
 
 from benchmarks.common import chat_ids, engine_run, hf_run, load, table
 from benchmarks.draft_bench import draft_section
+from benchmarks.loop_bench import LoopConfig, loop_section
 from benchmarks.make_draft import make_layer_draft
 from benchmarks.prompts import KINDS
 from benchmarks.step_bench import step_section
@@ -135,7 +137,10 @@ def spec_section(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--section", choices=["batch", "spec", "step", "draft", "all"], default="all", help="[all: all but draft]"
+        "--section",
+        choices=["batch", "spec", "step", "draft", "loop", "all"],
+        default="all",
+        help="[all: all but draft and loop]",
     )
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to run")
     parser.add_argument("--batch-sizes", default="1,4,8,16")
@@ -147,6 +152,8 @@ def main() -> None:
         "--draft-head", type=Path, default=None, help="spec: also run eagle with this head; draft: the head [bundled]"
     )
     parser.add_argument("--prompts-per-set", type=int, default=6, help="draft section: held-out prompts per set")
+    parser.add_argument("--loop-sets", default="extraction,creative", help="loop section: prompt sets, in turn")
+    parser.add_argument("--rounds", type=int, default=3, help="loop section: rounds of every mode")
     parser.add_argument("--json", type=Path, default=None, help="also write the records here")
     args = parser.parse_args()
 
@@ -178,6 +185,19 @@ def main() -> None:
             text, rec = draft_section(
                 dtype, args.max_tokens, args.model, args.device, args.draft_head, args.prompts_per_set
             )
+            print(text + "\n", flush=True)
+            records += rec
+        if args.section == "loop":
+            loop = LoopConfig(
+                sets=tuple(args.loop_sets.split(",")),
+                batch_sizes=tuple(int(x) for x in args.batch_sizes.split(",")),
+                rounds=args.rounds,
+                max_tokens=args.max_tokens,
+                method="eagle" if args.draft_head else "ngram",
+                draft_head=str(args.draft_head) if args.draft_head else None,
+                num_speculative_tokens=5 if args.draft_head else 10,
+            )
+            text, rec = loop_section(load(dtype, args.model, args.device), dtype, loop)
             print(text + "\n", flush=True)
             records += rec
     if args.json:

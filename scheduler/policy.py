@@ -13,8 +13,11 @@ Rule (documented in README, "How `auto` decides"):
   starts from what its peers achieved; the peers' weight fades as the row's
   own history grows, and a row whose first draft fares worse than its peers'
   gets their later rates scaled down alike, since those are the copying rows').
-  The k-th draft token of a row yields an extra token with probability
-  g_k = a_1 * ... * a_k. How many accepted
+  The first position is read in its context: right after a draft accepted to
+  its end, or after a miss (`AFTER_FULL`). The k-th draft token of a row yields
+  an extra token with probability g_k = a_1 * ... * a_k, scaled by the share
+  of its planned extra tokens the row's verifies realised (at most 1: verify
+  steps are chosen where estimates are high, and realise less). How many accepted
   tokens the plans expected against how many they got is tracked and shown
   (`gain_scale`), not applied: one batch-wide factor would lend a copying
   row's luck to a creative row beside it.
