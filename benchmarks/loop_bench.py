@@ -25,6 +25,7 @@ from typing import Literal
 
 from benchmarks.common import chat_ids, table
 from models.builder import ProposerConfig, build_runner
+from models.eagle_head import held_out_rates
 from models.loader import LoadedModel
 from models.runner import ModelRunner, RunnerConfig
 from scheduler.offline import run_offline
@@ -82,7 +83,10 @@ def _run(runner: ModelRunner, target: LoadedModel, prompts: list[list[int]], n: 
         max_model_len=max_len,
         max_num_batched_tokens=2048,
         eos_token_ids=target.eos_token_ids,
-        spec=SpecConfig(num_speculative_tokens=cfg.num_speculative_tokens),
+        spec=SpecConfig(
+            num_speculative_tokens=cfg.num_speculative_tokens,
+            prior_rates=held_out_rates((runner.draft_head or {}).get("training")),
+        ),
     )
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0, ignore_eos=True, speculation=MODES[mode])
     requests = [Request(f"{mode}-{i}", p, params) for i, p in enumerate(prompts)]

@@ -257,5 +257,20 @@ def load_head(head_dir: Path, target_model, attn_implementation: str = "specd") 
     return head
 
 
+def held_out_rates(training: dict | None) -> tuple[float, ...]:
+    """P(draft j accepted | drafts before it accepted), j = 0, 1, ..., from the held-out
+    evaluation `specd train-draft` recorded (its per-position rates are cumulative); empty
+    when there is none. The serving policy starts a head's rows from these, not a constant."""
+    cumulative = ((training or {}).get("held_out") or {}).get("per_position") or []
+    rates: list[float] = []
+    before = 1.0
+    for reached in cumulative:
+        if before <= 0.0:
+            break
+        rates.append(min(max(reached / before, 0.0), 1.0))
+        before = reached
+    return tuple(rates)
+
+
 def _output_weight(model) -> torch.Tensor:
     return model.get_output_embeddings().weight.detach()

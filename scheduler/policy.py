@@ -105,6 +105,9 @@ class SpecConfig:
     spec_disable_batch_size: int | None = None
     adaptive: bool = True
     prior_acceptance: float = 0.6
+    # Per draft position, the conditional acceptance the engine's proposer starts from
+    # (an EAGLE head's held-out record); prior_acceptance past its end.
+    prior_rates: tuple[float, ...] = ()
     decay: float = 0.8  # weight of history in a request's acceptance estimate, per verify step
     probe_interval: int = 8  # plain steps before a row that cannot shadow probes (at least)
     # Share of step time a round of probes may cost, spread over the steps between rounds:
@@ -583,12 +586,13 @@ class SpecPolicy:
         to continue), which a single per-token rate would miss; for the same
         reason the first position is read in its context (`AFTER_FULL`).
         """
-        prior, weights, counts = self.config.prior_acceptance, state.peer_weights, state.counts
+        weights, counts = state.peer_weights, state.counts
         recent = self._recent.get(state.method) if state.method else None
         slots = [slot_of(j, state.after_full) for j in range(k)]
+        priors = [self._prior(state.method, j) for j in range(k)]
         peers = [
             prior if recent is None else (recent.accepted[i] + PEER_WEIGHT * prior) / (recent.reached[i] + PEER_WEIGHT)
-            for i in slots
+            for i, prior in zip(slots, priors)
         ]
         rates: list[float] = []
         relative = 1.0
@@ -600,6 +604,13 @@ class SpecPolicy:
             if j == 0 and peers[0] > 0:
                 relative = min(rates[0] / peers[0], 1.0)
         return rates
+
+    def _prior(self, method: str | None, position: int) -> float:
+        """What a proposer's draft `position` is assumed to earn before any request has shown it."""
+        rates = self.config.prior_rates
+        if method == self.proposer and position < len(rates):
+            return rates[position]
+        return self.config.prior_acceptance
 
     def _state_for(self, request: Request) -> AcceptanceState:
         state = self._state.get(request.request_id)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from models.builder import ProposerConfig, build_runner
 from models.eagle import EagleProposer
-from models.eagle_head import HeadMismatch, load_head
+from models.eagle_head import HeadMismatch, held_out_rates, load_head
 from models.loader import ModelConfig, load_model
 from models.runner import ModelRunner, RunnerConfig
 from models.transfer import HostBuffer
@@ -297,3 +297,10 @@ def test_the_pool_is_sized_with_the_heads_kv_and_features(tiny_llama_dir, tiny_l
     assert num_kv_blocks(RunnerConfig(kv_cache_memory=memory, block_size=BLOCK), target, extra) == 10
     blocks = runner.config.num_kv_blocks
     assert proposer.features.shape == (blocks * BLOCK, 64) and proposer.cache.num_blocks == blocks
+
+
+def test_held_out_rates_turn_the_cumulative_record_into_conditional_rates():
+    record = {"held_out": {"per_position": [0.25, 0.05, 0.0, 0.0]}}
+    assert held_out_rates(record) == pytest.approx((0.25, 0.2, 0.0))  # nothing after a position never reached
+    assert held_out_rates({}) == () and held_out_rates(None) == ()
+    assert held_out_rates({"held_out": {"per_position": []}}) == ()

@@ -210,6 +210,22 @@ def test_a_row_whose_verifies_fall_short_of_its_plans_drafts_less():
     assert policy._realised_share(copier) == 1.0 and decide(policy, [copier])[0] >= 6
 
 
+def test_a_proposer_with_a_recorded_acceptance_starts_from_it():
+    """An EAGLE head records its held-out acceptance per position: before any request
+    has shown how the head fares here, its rows start from that record (a head that
+    is right one time in four does not draft on a step where a token costs 40% of it),
+    other proposers from the configured prior."""
+    cost = trained(linear(0.05, 0.02), drafts=(0, 1, 2, 4))
+    recorded = SpecPolicy(SpecConfig(num_speculative_tokens=4, prior_rates=(0.27, 0.24, 0.11)), "eagle", cost=cost)
+    unknown = SpecPolicy(SpecConfig(num_speculative_tokens=4), "eagle", cost=cost)
+    assert recorded._conditional_rates(req("a"), 4) == pytest.approx([0.27, 0.24, 0.11, 0.6])
+    assert decide(recorded, [req("b")]) == [0]
+    assert decide(unknown, [req("c")])[0] > 0  # the 0.6 prior drafts
+    predicted = req("pred")
+    predicted.prediction_ids = [1, 2, 3]  # another proposer: the configured prior
+    assert recorded._conditional_rates(predicted, 1) == [0.6]
+
+
 def test_a_row_that_never_accepts_goes_to_zero_beside_copying_peers():
     """Peers' rates start a row off; they do not keep a floor under a row whose own
     record is nothing, nor lend it the copying rows' later positions."""
