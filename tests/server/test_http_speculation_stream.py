@@ -95,8 +95,10 @@ def test_with_a_prediction_the_counts_are_prediction_tokens(cycle_server, cycle_
 def test_completions_with_several_prompts_and_choices(tiny_server):
     model = httpx.get(tiny_server.base_url + "/models").json()["data"][0]["id"]
     body = {"model": model, "prompt": ["a b a b a b", "Hello"], "n": 2, "max_tokens": 24, "ignore_eos": True,
-            "stream": True, "speculation": True,
+            "stream": True, "speculation": True, "seed": 7,
             "stream_options": {"include_usage": True, "include_speculation": True}}  # fmt: skip
+    # Sampled, so seeded: unseeded, the random model's tokens give the n-gram proposer no
+    # match on some runs (a 1-gram match on ~10% of steps), and the assert below fails.
     events = stream_events(tiny_server, "/completions", body)
     sums = speculation_sums(events)
     assert sorted(sums) == [0, 1, 2, 3]
