@@ -16,16 +16,14 @@ draft tokens and accepted ones.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from benchmarks.common import chat_ids, table
+from benchmarks.serve_bench import load_prompts
 from models.builder import ProposerConfig, build_runner
-from models.eagle_head import held_out_rates
 from models.loader import LoadedModel
 from models.runner import ModelRunner, RunnerConfig
 from scheduler.offline import run_offline
@@ -33,7 +31,6 @@ from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Batch, Request, SamplingParams, StepOutput
 
-PROMPT_SET_DIR = Path(__file__).parent / "prompt_sets"
 MODES: dict[str, Literal["auto", True, False]] = {"off": False, "on": True, "auto": "auto"}
 
 
@@ -56,9 +53,10 @@ class CountingExecutor:
         self.steps = 0
         self.rows = 0
 
-    @property
-    def proposer_name(self) -> str:
-        return self.runner.proposer_name
+    def __getattr__(self, name: str):
+        # Everything else the engine asks of its executor (proposer name, draft previews,
+        # the proposer's own acceptance record) is the runner's.
+        return getattr(self.runner, name)
 
     def execute(self, batch: Batch) -> StepOutput:
         if batch.rows:
@@ -68,12 +66,9 @@ class CountingExecutor:
 
 
 def _prompts(target: LoadedModel, sets: tuple[str, ...], total: int) -> list[list[int]]:
-    lines = {}
-    for name in sets:
-        with (PROMPT_SET_DIR / f"{name}.jsonl").open() as f:
-            lines[name] = [json.loads(line)["prompt"] for line in f if line.strip()]
-    picks = [lines[sets[i % len(sets)]][(i // len(sets)) % len(lines[sets[i % len(sets)]])] for i in range(total)]
-    return [chat_ids(target, p) for p in picks]
+    """`total` chat prompts, the sets interleaved as serve_bench sends them, cycled."""
+    texts = [p.text for p in load_prompts(list(sets))]
+    return [chat_ids(target, texts[i % len(texts)]) for i in range(total)]
 
 
 def _run(runner: ModelRunner, target: LoadedModel, prompts: list[list[int]], n: int, mode: str, cfg: LoopConfig):
@@ -83,10 +78,7 @@ def _run(runner: ModelRunner, target: LoadedModel, prompts: list[list[int]], n: 
         max_model_len=max_len,
         max_num_batched_tokens=2048,
         eos_token_ids=target.eos_token_ids,
-        spec=SpecConfig(
-            num_speculative_tokens=cfg.num_speculative_tokens,
-            prior_rates=held_out_rates((runner.draft_head or {}).get("training")),
-        ),
+        spec=SpecConfig(num_speculative_tokens=cfg.num_speculative_tokens),
     )
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0, ignore_eos=True, speculation=MODES[mode])
     requests = [Request(f"{mode}-{i}", p, params) for i, p in enumerate(prompts)]

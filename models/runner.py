@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.device_draft import DeviceDraft, DeviceProposer, DraftPlan
+from models.eagle_head import held_out_rates
 from models.forward import forward_step, forward_with_hidden
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, LayoutPlan
 from models.loader import LoadedModel
@@ -141,6 +142,13 @@ class ModelRunner:
         """The EAGLE head being served (path, draft vocabulary, training record), else None."""
         info = getattr(self.proposer, "info", None)
         return info() if info is not None else None
+
+    @property
+    def acceptance_prior(self) -> tuple[float, ...]:
+        """Per draft position, the acceptance the proposer measured for itself (an EAGLE
+        head's held-out record), for the policy to start its rows from; empty: none."""
+        head = self.draft_head
+        return held_out_rates(head.get("training")) if head else ()
 
     def free(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Protocol
 
 from scheduler.recorder import StepRecorder
@@ -56,6 +57,11 @@ class AsyncEngine:
         steps on the event-loop thread instead, for offline use where that
         thread built the model and no HTTP needs serving meanwhile."""
         self.executor = executor
+        # A proposer that measured its own acceptance (an EAGLE head's held-out record) is
+        # where the policy starts its rows, unless the config says otherwise.
+        prior = tuple(getattr(executor, "acceptance_prior", ()))
+        if prior and not config.spec.prior_rates:
+            config = replace(config, spec=replace(config.spec, prior_rates=prior))
         self.config = config
         # A runner whose proposer prices its drafts lets the policy see them while it plans.
         preview = getattr(executor, "preview_drafts", None)

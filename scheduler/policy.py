@@ -446,9 +446,9 @@ class SpecPolicy:
         for i, k in enumerate(chosen):
             if k:
                 ks[i] = k
-            if candidates:  # what the row's verify is expected to add, before the share scaled it
-                share = self._realised_share(requests[i])
-                self._state_for(requests[i]).plan_gains = [g / share for g in gains[i]] if k else []
+        for i in {i for _, i in candidates}:  # what each row's verify should add, before its share
+            share = self._realised_share(requests[i])
+            self._state_for(requests[i]).plan_gains = [g / share for g in gains[i]] if chosen[i] else []
         predicted = seconds + prefill_seconds if cost.is_fitted else None
         return StepPlan(expected, predicted, len(requests), edge), budget
 

@@ -69,7 +69,6 @@ def model_config(settings: Settings) -> ModelConfig:
 def build_components(settings: Settings) -> Components:
     """Load the target (and draft) and build the runner. Slow; run it off the event loop."""
     from models.builder import ProposerConfig, build_runner
-    from models.eagle_head import held_out_rates
     from models.loader import load_model
     from models.runner import RunnerConfig
 
@@ -111,7 +110,6 @@ def build_components(settings: Settings) -> Components:
             num_speculative_tokens=settings.resolved_num_speculative_tokens,
             spec_disable_batch_size=settings.spec_disable_batch_size,
             adaptive=settings.spec_adaptive,
-            prior_rates=held_out_rates((runner.draft_head or {}).get("training")),
         ),
     )
     return Components(loaded, runner, scheduler_config)

@@ -206,3 +206,20 @@ def test_a_failing_metrics_observer_never_stops_the_engine(tiny_llama_dir):
 
     result = asyncio.run(main())
     assert result.finish_reason is FinishReason.LENGTH and len(result.token_ids) == 8
+
+
+def test_the_policy_starts_from_the_proposers_own_acceptance_record():
+    """An executor whose proposer measured its own acceptance (an EAGLE head's held-out
+    record) gives the policy its starting rates; a config that names them keeps its own."""
+
+    class Recorded:
+        proposer_name = "eagle"
+        acceptance_prior = (0.27, 0.24)
+
+        def execute(self, batch):
+            raise AssertionError("no step runs here")
+
+    config = SchedulerConfig(max_num_seqs=1, max_model_len=64, eos_token_ids=[0])
+    assert AsyncEngine(Recorded(), config, inline=True).scheduler.policy.config.prior_rates == (0.27, 0.24)
+    pinned = SchedulerConfig(max_num_seqs=1, max_model_len=64, eos_token_ids=[0], spec=SpecConfig(prior_rates=(0.5,)))
+    assert AsyncEngine(Recorded(), pinned, inline=True).scheduler.policy.config.prior_rates == (0.5,)
