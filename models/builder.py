@@ -89,7 +89,13 @@ def build_runner(
         draft = EagleProposer(
             head, Path(str(proposer.draft_head)), runner.num_kv_blocks, runner.block_size, target.vocab_size
         )
-        logger.info("EAGLE head %s (draft vocabulary %d)", proposer.draft_head, head.config.draft_vocab_size)
+        layers = head.config.feature_layers
+        logger.info(
+            "EAGLE head %s (draft vocabulary %d, features: %s)",
+            proposer.draft_head,
+            head.config.draft_vocab_size,
+            f"layers {layers} fused" if layers else "last hidden state",
+        )
     return ModelRunner(target, runner, draft)
 
 

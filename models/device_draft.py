@@ -69,15 +69,22 @@ class DeviceProposer(ABC):
     """
 
     method: str
-    # [pool rows, H]: the target's last hidden state of every position, in the KV pool's
-    # layout, written by the runner after each target forward; None: not wanted.
+    # [pool rows, H]: the target's features of every position, in the KV pool's layout,
+    # stored by the runner after each target forward (`store_features`); None: not wanted.
     features: torch.Tensor | None = None
+    # Which of the target's hidden states the features come from (see `forward_with_hidden`).
+    feature_layers: list[int] | None = None
 
     def __init__(self, vocab_size: int, block_size: int):
         self.vocab_size = vocab_size  # the target's: q must live in p's vocabulary
         self.block_size = block_size
         # Positions of each request the proposer's KV holds for accepted tokens.
         self._computed: dict[str, int] = {}
+
+    def store_features(self, dest: torch.Tensor, states: torch.Tensor) -> None:
+        """Keep the target's `states` [T, ...] of the step's packed tokens at pool rows `dest`."""
+        assert self.features is not None
+        self.features.index_copy_(0, dest, states.to(self.features.dtype))
 
     def free(self, request_id: str) -> None:
         self._computed.pop(request_id, None)

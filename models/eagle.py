@@ -1,10 +1,11 @@
 """EAGLE proposer: drafts with a one-layer head over the target's own features (`models.eagle_head`).
 
-Head position p reads the target's last hidden state h_p and the token x_{p+1};
-its output g_p approximates h_{p+1}, and its logits predict x_{p+2}.
+Head position p reads the target's feature f_p (its last hidden state, or a
+few layers' states fused: `models.eagle_head`) and the token x_{p+1}; its
+logits predict x_{p+2}.
 
 Features come from the target's forward, never an extra one: after every
-target forward the runner stores each packed token's h in the feature pool
+target forward the runner stores each packed token's f in the feature pool
 (`features`, the KV pool's block layout: one row per KV row), so positions
 < num_computed_tokens always hold accepted tokens' features. Rejected drafts'
 rows are overwritten later, like their KV (O(1) rollback), and a prefix-cache
@@ -51,7 +52,12 @@ class EagleProposer(DeviceProposer):
         self.features = torch.zeros(
             num_blocks * block_size, head.config.hidden_size, dtype=weight.dtype, device=weight.device
         )
+        self.feature_layers = head.config.feature_layers
         self._g: torch.Tensor | None = None  # [R, H] each row's latest g, during `run`
+
+    def store_features(self, dest: torch.Tensor, states: torch.Tensor) -> None:
+        # Fused once here, as they arrive: the pool holds H floats a position whatever the layers.
+        super().store_features(dest, self.head.target_features(states))
 
     @staticmethod
     def bytes_per_block(config: HeadConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -62,7 +68,12 @@ class EagleProposer(DeviceProposer):
     def info(self) -> dict:
         """The head as GET /v1/speculation shows it."""
         config = self.head.config
-        return {"path": str(self.head_dir), "draft_vocab_size": config.draft_vocab_size, "training": config.training}
+        return {
+            "path": str(self.head_dir),
+            "draft_vocab_size": config.draft_vocab_size,
+            "feature_layers": config.feature_layers,  # None: the target's last hidden state
+            "training": config.training,
+        }
 
     def run(self, plan: DraftPlan, arrays: DeviceArrays) -> DeviceDraft:
         try:

@@ -1,18 +1,21 @@
 """An EAGLE-style draft head: one decoder layer over the target's own features.
 
-At position p the head reads the target's last hidden state h_p (post final
-norm: what the target's lm_head reads) and the embedding of the token that
-follows, x_{p+1}:
+At position p the head reads the target's feature f_p and the embedding of the
+token that follows, x_{p+1}:
 
-    g_p = layer(fc([embed(x_{p+1}) ; h_p]))        trained so that g_p ~ h_{p+1}
+    g_p = layer(fc([embed(x_{p+1}) ; f_p]))
     logits over the draft vocabulary = W_draft g_p  (W_draft: rows of the target's lm_head)
 
-so g_p predicts x_{p+2}, and a chain feeds g_p back as the next feature
-(EAGLE-1: the head regresses the target's next feature and reuses the
-target's output layer). The embeddings and the output rows are the target's
-own, frozen and never saved: a head directory holds the fc and decoder-layer
-weights, the draft vocabulary (most frequent target tokens) and the identity
-of the target it was trained for, which `load_head` checks.
+so g_p predicts x_{p+2}, and a chain feeds g_p back as the next feature. f_p is
+either the target's last hidden state h_p (post final norm: what its lm_head
+reads; EAGLE-1, where g_p is also trained to regress h_{p+1}), or, for a head
+with `feature_layers`, a low, a middle and a high layer's states, each
+RMS-normalised and fused to the hidden size by a linear layer (EAGLE-3's
+features, trained on tokens alone: they accept more here, docs/eagle.md). The
+embeddings and the output rows are the target's own, frozen and never saved: a
+head directory holds the fuse, fc and decoder-layer weights, the draft
+vocabulary (most frequent target tokens) and the identity of the target it was
+trained for, which `load_head` checks.
 
 Logits come back over the target's full vocabulary with -inf outside the
 draft vocabulary, so q is exactly 0 there and the rejection sampler stays
@@ -37,6 +40,14 @@ from models.kv_cache import text_config
 HEAD_FORMAT = 1
 CONFIG_FILE = "eagle_head.json"
 WEIGHTS_FILE = "eagle_head.safetensors"
+TRAINED = ("fuse.", "fc.", "layer.")  # the weights a head directory holds
+
+
+def fused_feature_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high layers for a target of `num_layers` layers, as indices
+    into its `hidden_states` (i: the output of decoder layer i, counting from 1; the last
+    one is the final norm's output): 3, 15 and 27 of SmolLM2's 30. Fewer on tiny models."""
+    return sorted({min(3, num_layers), max(1, num_layers // 2), max(1, num_layers - 3)})
 
 
 class HeadMismatch(ValueError):
@@ -89,12 +100,14 @@ class HeadConfig:
     max_position_embeddings: int
     target: TargetIdentity
     draft_vocab_size: int
+    # hidden_states indices the head's features fuse (`fused_feature_layers`); None: the last hidden state.
+    feature_layers: list[int] | None = None
     # What training recorded (data, minutes, held-out acceptance per position): for people.
     training: dict = field(default_factory=dict)
     format: int = HEAD_FORMAT
 
     @classmethod
-    def for_target(cls, model, draft_vocab_size: int) -> HeadConfig:
+    def for_target(cls, model, draft_vocab_size: int, feature_layers: list[int] | None = None) -> HeadConfig:
         """A head shaped like one of the target's own layers."""
         config = text_config(model.config)
         heads = config.num_attention_heads
@@ -111,6 +124,7 @@ class HeadConfig:
             max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
             target=TargetIdentity.of(model),
             draft_vocab_size=draft_vocab_size,
+            feature_layers=list(feature_layers) if feature_layers else None,
         )
 
     def llama_config(self, attn_implementation: str) -> LlamaConfig:
@@ -161,6 +175,8 @@ class EagleHead(nn.Module):
         self.config = config
         llama = config.llama_config(attn_implementation)
         hidden = config.hidden_size
+        layers = config.feature_layers
+        self.fuse = nn.Linear(len(layers) * hidden, hidden, bias=False) if layers else None
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.layer = LlamaDecoderLayer(llama, layer_idx=0)
         self.rotary = LlamaRotaryEmbedding(llama)
@@ -176,12 +192,23 @@ class EagleHead(nn.Module):
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a head directory stores besides the draft vocabulary."""
-        return {k: v for k, v in self.state_dict().items() if k.startswith(("fc.", "layer."))}
+        return {k: v for k, v in self.state_dict().items() if k.startswith(TRAINED)}
+
+    def target_features(self, states: torch.Tensor) -> torch.Tensor:
+        """What the target computed, as the head reads it at a chain's first step: [..., H] (the
+        last hidden state) as is; [..., n H] (`feature_layers`' states side by side) RMS-normalised
+        layer by layer, so no layer's scale dominates, then fused to [..., H]."""
+        if self.fuse is None:
+            return states
+        parts = states.float().unflatten(-1, (-1, self.config.hidden_size))
+        parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return self.fuse(parts.flatten(-2).to(self.fuse.weight.dtype))
 
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, cache=None,
                 **attention_kwargs) -> torch.Tensor:  # fmt: skip
-        """[T, H] features, [T] ids and positions -> g [T, H]; or batched, [B, T, H] and [B, T] -> [B, T, H]
-        (training: then pass an `attention_mask`, a [B or 1, 1, T, T] bool, True where a query may attend)."""
+        """[T, H] features (`target_features`' or a previous g), [T] ids and positions -> g [T, H]; or
+        batched, [B, T, H] and [B, T] -> [B, T, H] (training: then pass an `attention_mask`, a
+        [B or 1, 1, T, T] bool, True where a query may attend)."""
         batched = features.dim() == 3
         x = torch.cat([self.embed(input_ids), features.to(self.fc.weight.dtype)], dim=-1)
         x = self.fc(x)
@@ -205,12 +232,12 @@ class EagleHead(nn.Module):
         return logits
 
 
-def new_head(target_model, draft_vocab: torch.Tensor) -> EagleHead:
+def new_head(target_model, draft_vocab: torch.Tensor, feature_layers: list[int] | None = None) -> EagleHead:
     """A freshly initialised head for `target_model` (training starts here)."""
-    config = HeadConfig.for_target(target_model, len(draft_vocab))
+    config = HeadConfig.for_target(target_model, len(draft_vocab), feature_layers)
     head = EagleHead(config, target_model.get_input_embeddings(), _output_weight(target_model), draft_vocab)
-    # Start near "pass the target's feature through" (fc copies h_p, the layer adds little):
-    # training then learns the step from h_p to h_{p+1} rather than a feature from scratch.
+    # Start near "pass the target's feature through" (fc copies f_p, the layer adds little):
+    # training then learns the step from f_p onwards rather than a feature from scratch.
     with torch.no_grad():
         hidden = config.hidden_size
         head.fc.weight.zero_()
@@ -248,7 +275,7 @@ def load_head(head_dir: Path, target_model, attn_implementation: str = "specd") 
     head = EagleHead(config, target_model.get_input_embeddings(), _output_weight(target_model), draft_vocab,
                      attn_implementation)  # fmt: skip
     missing, unexpected = head.load_state_dict(tensors, strict=False)
-    missing = [k for k in missing if k.startswith(("fc.", "layer."))]
+    missing = [k for k in missing if k.startswith(TRAINED)]
     if missing or unexpected:
         raise HeadMismatch(f"the draft head in {head_dir} has missing {missing} / unexpected {unexpected} weights")
     weight = target_model.get_input_embeddings().weight

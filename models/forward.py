@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -39,11 +39,17 @@ def forward_step(
 
 @torch.inference_mode()
 def forward_with_hidden(
-    model, cache: KVCache, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor
+    model,
+    cache: KVCache,
+    layout: StepLayout,
+    input_ids: torch.Tensor,
+    keep: torch.Tensor,
+    layers: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`forward_step`'s logits `[len(keep), vocab]` and the last hidden state of every packed
-    token `[T, H]` (after the final norm: what the lm_head reads), from the same forward:
-    the base model runs once and the output layer only on the `keep` rows."""
+    """`forward_step`'s logits `[len(keep), vocab]` and, from the same forward, every packed
+    token's hidden state: the last one `[T, H]` (after the final norm: what the lm_head reads),
+    or with `layers` (indices into the model's `hidden_states`) those layers' side by side
+    `[T, len(layers) H]`. The base model runs once and the output layer only on the `keep` rows."""
     with laid_out(cache, layout):
         out = model.get_decoder()(
             input_ids=input_ids[None],
@@ -51,9 +57,11 @@ def forward_with_hidden(
             cache=cache,
             use_cache=True,
             specd_layout=layout,
+            output_hidden_states=bool(layers),
         )
-    hidden = out.last_hidden_state[0]
-    logits = model.get_output_embeddings()(hidden.index_select(0, keep))
+    last = out.last_hidden_state[0]
+    hidden = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1) if layers else last
+    logits = model.get_output_embeddings()(last.index_select(0, keep))
     return logits.float(), hidden
 
 

@@ -353,13 +353,15 @@ class ModelRunner:
             input_ids = input_ids.clone()
             input_ids[arrays["fill_pos"]] = device_draft.token_ids.reshape(-1)[arrays["fill_src"]]
         layout = plan.layout.resolve(arrays, "layout")
-        features = self.proposer.features if isinstance(self.proposer, DeviceProposer) else None
-        if features is None:
+        proposer = self.proposer if isinstance(self.proposer, DeviceProposer) else None
+        if proposer is None or proposer.features is None:
             return forward_step(self.target.model, self.cache, layout, input_ids, arrays["keep"])  # [len(keep), V]
         # Every token's features, at its KV row: positions < num_computed_tokens then always hold
         # accepted tokens' (drafts the verify rejects are overwritten later, like their KV).
-        logits, hidden = forward_with_hidden(self.target.model, self.cache, layout, input_ids, arrays["keep"])
-        features.index_copy_(0, layout.token_dest, hidden.to(features.dtype))
+        logits, hidden = forward_with_hidden(
+            self.target.model, self.cache, layout, input_ids, arrays["keep"], proposer.feature_layers
+        )
+        proposer.store_features(layout.token_dest, hidden)
         return logits
 
     # -- sample / verify --

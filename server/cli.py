@@ -169,6 +169,20 @@ def add_train_draft_parser(commands, config_help: str) -> None:
         "--draft-vocab", type=int, default=8192, help="tokens the head can draft (the most frequent) [default: 8192]"
     )
     train.add_argument(
+        "--features",
+        choices=("fused", "last"),
+        default="fused",
+        help="what the head reads of the target: fused = a low, a middle and a high layer's states (EAGLE-3); "
+        "last = the last hidden state (EAGLE-1) [default: fused]",
+    )
+    train.add_argument(
+        "--feature-loss",
+        type=float,
+        default=0.0,
+        help="weight of EAGLE-1's regression of the next hidden state besides the token loss "
+        "(--features last only) [default: 0]",
+    )
+    train.add_argument(
         "--held-out", type=float, default=0.1, help="share of the answers kept out of training [default: 0.1]"
     )
     train.add_argument(
@@ -336,6 +350,7 @@ def train_draft(args: argparse.Namespace) -> int:
             shipped_prompts=args.shipped_prompts,
             eval_prompt_files=args.eval_prompts,
             draft_vocab=args.draft_vocab,
+            features=args.features,
             held_out=args.held_out,
             threads=args.threads,
             data=DataConfig(
@@ -350,6 +365,7 @@ def train_draft(args: argparse.Namespace) -> int:
                 batch_tokens=args.batch_tokens,
                 lr=args.lr,
                 unroll=args.unroll,
+                feature_loss=args.feature_loss,
                 seed=args.seed,
             ),
         )

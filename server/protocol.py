@@ -358,7 +358,7 @@ class SpeculationInfo(OpenAIResponse):
     """GET /v1/speculation: the live speculation configuration and acceptance."""
 
     proposer: str
-    draft_head: dict | None = None  # --draft eagle: {path, draft_vocab_size, training}
+    draft_head: dict | None = None  # --draft eagle: {path, draft_vocab_size, feature_layers, training}
     num_speculative_tokens: int
     spec_disable_batch_size: int | None  # the operator's cap; None: none
     adaptive: bool

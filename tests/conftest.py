@@ -38,6 +38,12 @@ def tiny_llama_head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_fused_head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """As `tiny_llama_head_dir`, over the fused layers' states (EAGLE-3's features)."""
+    return build_head(tiny_llama_dir, tmp_path_factory.mktemp("heads") / "tiny-llama-fused", fused=True)
+
+
+@pytest.fixture(scope="session")
 def cycle_model_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     """The tiny Llama rewired to write CYCLE_TEXT over and over (tests/support/cycle.py)."""
     return build_cycle_model(tiny_llama_dir, tmp_path_factory.mktemp("models") / "cycle")

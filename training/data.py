@@ -3,12 +3,13 @@
 1. `generate_answers`: the target answers every prompt through specd's own engine
    (continuous batching, no speculation), greedy unless told otherwise.
 2. `record_features`: one padded, batched forward per group of sequences keeps, at
-   every position p, the target's last hidden state h_p (post final norm: what its
-   lm_head reads) and its own next token a_p = argmax logits(h_p).
+   every position p, the target's states the head reads (its last hidden state h_p,
+   post final norm: what its lm_head reads; or the fused layers' states side by side)
+   and its own next token a_p = argmax logits(h_p).
 3. `build_draft_vocab`: the most frequent tokens of the training sequences.
 
 Everything stays in memory (float32 features: SmolLM2-135M's 576 floats are 2.3 KB
-a token, so 50k tokens take 115 MB).
+a token, three fused layers 6.9 KB, so 50k tokens take 115 or 346 MB).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Sequence:
 
     token_ids: torch.Tensor  # [L] prompt + answer
     prompt_len: int
-    features: torch.Tensor  # [L, H] float32: h_p
+    features: torch.Tensor  # [L, F] float32: h_p (F = H), or the fused layers' states (F = layers x H)
     target_next: torch.Tensor  # [L] the target's argmax at p: its token for position p + 1
 
     @property
@@ -58,9 +59,14 @@ class Sequence:
 
 
 def build_sequences(
-    loaded: LoadedModel, prompts: list[TrainingPrompt], config: DataConfig, seconds: dict[str, float] | None = None
+    loaded: LoadedModel,
+    prompts: list[TrainingPrompt],
+    config: DataConfig,
+    seconds: dict[str, float] | None = None,
+    layers: list[int] | None = None,
 ) -> list[Sequence]:
-    """Answer, then record: the whole data pipeline for one prompt set (`seconds` adds up each phase's time)."""
+    """Answer, then record (`layers`: as `record_features`): the whole data pipeline for one
+    prompt set (`seconds` adds up each phase's time)."""
     prompt_ids = [p.render(loaded.tokenizer) for p in prompts]
     limit = loaded.max_position_embeddings - config.max_tokens
     kept = [ids for ids in prompt_ids if 0 < len(ids) <= limit]
@@ -70,7 +76,7 @@ def build_sequences(
     started = time.perf_counter()
     answers = generate_answers(loaded, kept, config)
     recording = time.perf_counter()
-    sequences = record_features(loaded, kept, answers, config.record_batch_tokens)
+    sequences = record_features(loaded, kept, answers, config.record_batch_tokens, layers)
     timings["generate"] = timings.get("generate", 0.0) + recording - started
     timings["record"] = timings.get("record", 0.0) + time.perf_counter() - recording
     return sequences
@@ -126,9 +132,14 @@ def generate_answers(loaded: LoadedModel, prompt_ids: list[list[int]], config: D
 
 @torch.inference_mode()
 def record_features(
-    loaded: LoadedModel, prompt_ids: list[list[int]], answers: list[list[int]], batch_tokens: int = 2048
+    loaded: LoadedModel,
+    prompt_ids: list[list[int]],
+    answers: list[list[int]],
+    batch_tokens: int = 2048,
+    layers: list[int] | None = None,
 ) -> list[Sequence]:
-    """h_p and a_p at every position of every prompt + answer (answers may be empty)."""
+    """The features and a_p at every position of every prompt + answer (answers may be empty):
+    h_p, or with `layers` (indices into the model's `hidden_states`) those states side by side."""
     model = loaded.model
     # The runner switched the model to specd's paged attention; a plain padded batch needs SDPA.
     model.set_attn_implementation("sdpa")
@@ -144,15 +155,20 @@ def record_features(
             for row, i in enumerate(group):
                 ids[row, : len(token_ids[i])] = token_ids[i]
                 mask[row, : len(token_ids[i])] = 1
-            hidden = base(input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device)).last_hidden_state
+            out = base(
+                input_ids=ids.to(loaded.device),
+                attention_mask=mask.to(loaded.device),
+                output_hidden_states=bool(layers),
+            )
+            hidden = out.last_hidden_state
+            states = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else hidden
             for row, i in enumerate(group):
                 length = len(token_ids[i])
-                h = hidden[row, :length]
                 sequences[i] = Sequence(
                     token_ids=token_ids[i],
                     prompt_len=len(prompt_ids[i]),
-                    features=h.float().cpu(),
-                    target_next=lm_head(h).argmax(-1).cpu(),
+                    features=states[row, :length].float().cpu(),
+                    target_next=lm_head(hidden[row, :length]).argmax(-1).cpu(),
                 )
                 bar.update(length)
     logger.info("recorded features of %d tokens in %.0fs", sum(map(len, token_ids)), time.perf_counter() - started)

@@ -2,11 +2,13 @@
 
 Loss per chained step s (training/unroll.py), averaged over the steps:
 
-    smooth_l1(g^s, h_{next})  +  cls_weight * cross_entropy(draft_logits(g^s), a_{next})
+    cross_entropy(draft_logits(g^s), a_{next})  [+ feature_loss * smooth_l1(g^s, h_{next})]
 
-(EAGLE-1's regression plus classification, cls_weight 0.1 as in its paper; targets
-outside the draft vocabulary add no classification term). With `unroll` >= 2 the
-head also learns from its own outputs fed back, as it drafts at serving time.
+Tokens alone by default, as EAGLE-3 trains: the feature regression (EAGLE-1's, which
+weights tokens 0.1 against it) only exists for a head over the last hidden state, and
+it lowered held-out acceptance here (docs/eagle.md). Targets outside the draft
+vocabulary add no token term. With `unroll` >= 2 the head also learns from its own
+outputs fed back, as it drafts at serving time.
 
 The learning rate warms up, then follows a cosine to zero over the run: over the
 steps of `epochs` when given (the run is then deterministic with `seed`), else over
@@ -43,7 +45,10 @@ class TrainConfig:
     weight_decay: float = 0.01
     warmup_steps: int = 20
     unroll: int = 2  # chained steps trained per position (1: EAGLE-1's single step)
-    cls_weight: float = 0.1
+    feature_loss: float = 0.0  # weight of EAGLE-1's regression of h_{next} (last-hidden-state heads only)
+    # Forward and backward under bf16 autocast (weights and optimiser stay float32): train-draft
+    # turns it on where the target itself runs in bf16, i.e. the machine computes bf16 natively.
+    bf16_autocast: bool = False
     eval_every_minutes: float | None = None  # default: five points over the budget
     seed: int = 0
 
@@ -66,6 +71,8 @@ def train_head(
 ) -> TrainResult:
     """Optimise `head` in place; `evaluate()` (held-out numbers) runs at the start, every
     `eval_every_minutes` and at the end, and its results make the curve."""
+    if config.feature_loss and head.fuse is not None:
+        raise ValueError("a feature loss needs a head over the last hidden state (fused features have no target)")
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     # Every sequence then has a position that every unrolled step can score (no empty loss terms).
@@ -76,6 +83,7 @@ def train_head(
     budget = config.minutes * 60
     eval_every = 60 * (config.eval_every_minutes or config.minutes / 5)
     index = draft_index(head.draft_vocab, head.vocab_size)
+    device = head.fc.weight.device.type
     optimizer = torch.optim.AdamW(
         [p for p in head.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay
     )
@@ -105,7 +113,8 @@ def train_head(
         progress = step / total_steps if total_steps else elapsed() / budget
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step, progress)
-        loss, top1 = chain_loss(head, batch, index, config)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=config.bf16_autocast):
+            loss, top1 = chain_loss(head, batch, index, config)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -148,12 +157,13 @@ def chain_loss(
     for s, step in enumerate(unrolled(head, batch, config.unroll)):
         valid = batch.valid(s)
         g = step.g[valid]
-        regression = F.smooth_l1_loss(g, step.feature_target[valid])
         targets = index[step.token_target[valid]]
         logits = head.draft_logits(g)
         known = targets != IGNORE
-        classification = F.cross_entropy(logits, targets, ignore_index=IGNORE) if known.any() else g.sum() * 0
-        losses.append(regression + config.cls_weight * classification)
+        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE) if known.any() else g.sum() * 0
+        if config.feature_loss:
+            loss = loss + config.feature_loss * F.smooth_l1_loss(g, step.feature_target[valid])
+        losses.append(loss)
         if s == 0:
             top1 = (logits.argmax(-1) == targets).float().mean().item() if len(targets) else 0.0
     return torch.stack(losses).mean(), top1

@@ -4,10 +4,12 @@ For a sequence t_0..t_{L-1} with target features h_p and target next tokens a_p,
 a chain that starts at position i runs S steps; step s sits at position i + s and
 reads
 
-    feature  h_i (s = 0), else g^{s-1}_i (the previous step's own output)
+    feature  f_i (s = 0: the head's `target_features` of what the target computed
+             at i), else g^{s-1}_i (the previous step's own output)
     token    t_{i+s+1}   (under greedy, the draft the previous step made if it was right)
 
-and is trained so that g^s_i ~ h_{i+s+1} and draft_logits(g^s_i) picks a_{i+s+1}.
+and is trained so that draft_logits(g^s_i) picks a_{i+s+1} (and, for a head over
+the last hidden state with a feature loss, g^s_i ~ h_{i+s+1}).
 Its attention sees what a serving-time chain sees: the head's entries for positions
 0..i computed from the target's own features (step 0 of earlier chains), then only
 its own chain's steps 1..s (EAGLE-3's "training-time test"). All chains of a batch of
@@ -32,7 +34,7 @@ IGNORE = -100  # cross-entropy's ignore index: targets outside the draft vocabul
 class ChainBatch:
     """Padded sequences (right padding) and where their chains may start."""
 
-    features: torch.Tensor  # [B, T, H]
+    features: torch.Tensor  # [B, T, F]: the recorded states (F = H, or H per fused layer)
     token_ids: torch.Tensor  # [B, T]
     target_next: torch.Tensor  # [B, T]
     lengths: torch.Tensor  # [B]
@@ -73,7 +75,7 @@ class ChainBatch:
 @dataclass
 class ChainStep:
     g: torch.Tensor  # [B, T, H]: g^s_i at column i
-    feature_target: torch.Tensor  # [B, T, H]: h_{i+s+1}
+    feature_target: torch.Tensor  # [B, T, F]: the recorded states at i + s + 1
     token_target: torch.Tensor  # [B, T]: a_{i+s+1}
 
 
@@ -84,7 +86,7 @@ def unrolled(head: EagleHead, batch: ChainBatch, steps: int) -> list[ChainStep]:
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     diagonal = torch.eye(length, dtype=torch.bool)
     positions = torch.arange(length)[None].expand(num_rows, length)
-    features = batch.features
+    features = head.target_features(batch.features)
     outputs = []
     for s in range(steps):
         mask = torch.cat([causal] + [diagonal] * s, dim=1)[None, None]  # [1, 1, T, (s + 1) T]

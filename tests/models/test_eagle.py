@@ -66,13 +66,15 @@ def greedy(tokenizer, tag: str, speculation, n: int = 32, predictions=None) -> l
     return out
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-fused"])
 def head_runner(request, tiny_llama_dir, tiny_qwen2_dir, tmp_path_factory) -> ModelRunner:
-    """A perturbed untrained head whose draft vocabulary leaves out a quarter of the tokens."""
-    model_dir = tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
+    """A perturbed untrained head whose draft vocabulary leaves out a quarter of the tokens,
+    over the last hidden state or (-fused) the fused layers' states."""
+    model_dir = tiny_qwen2_dir if request.param == "qwen2" else tiny_llama_dir
     vocab = AutoModelForCausalLM.from_pretrained(model_dir).get_output_embeddings().weight.shape[0]
     head_dir = build_head(model_dir, tmp_path_factory.mktemp("heads") / request.param, seed=3,
-                          draft_vocab=[t for t in range(vocab) if t % 4 != 3])  # fmt: skip
+                          draft_vocab=[t for t in range(vocab) if t % 4 != 3],
+                          fused=request.param.endswith("fused"))  # fmt: skip
     return eagle_runner(model_dir, head_dir)
 
 
@@ -153,11 +155,14 @@ def step(runner: ModelRunner, request: Request, k: int):
 @torch.inference_mode()
 def reference_q(model_dir: Path, head_dir: Path, tokens: list[int], num_computed: int, drafts: list[int]):
     """Target features from HF's own forward, then the head over one causal sequence (no cache):
-    position p reads h_p and x_{p+1}; each chained position appends (g, the draft made there).
+    position p reads f_p and x_{p+1}; each chained position appends (g, the draft made there).
     Returns the features and q (temperature 1) at each draft position."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     head = load_head(head_dir, model, attn_implementation="sdpa")
-    hidden = model.model(torch.tensor([tokens[:num_computed]])).last_hidden_state[0]
+    out = model.model(torch.tensor([tokens[:num_computed]]), output_hidden_states=True)
+    layers = head.config.feature_layers
+    states = torch.cat([out.hidden_states[i][0] for i in layers], -1) if layers else out.last_hidden_state[0]
+    hidden = head.target_features(states)
     features, ids = hidden, torch.tensor(tokens[1 : num_computed + 1])
     q = []
     for draft in drafts:
@@ -167,12 +172,17 @@ def reference_q(model_dir: Path, head_dir: Path, tokens: list[int], num_computed
     return hidden, torch.stack(q)
 
 
-def test_features_and_q_after_rejections_equal_an_unpaged_reference(tiny_llama_dir, tiny_llama_head_dir):
+@pytest.mark.parametrize("features", ["last", "fused"])
+def test_features_and_q_after_rejections_equal_an_unpaged_reference(
+    features, tiny_llama_dir, tiny_llama_head_dir, tiny_llama_fused_head_dir
+):
     """Verify steps reject drafts (their positions got features and head KV), plain steps
     run, then the head drafts again: the pool holds the target's features of every
-    computed position, and q at every draft position is what the head gives over the
-    true features and tokens, with the drafts chained."""
-    runner = eagle_runner(tiny_llama_dir, tiny_llama_head_dir)
+    computed position (the last hidden state, or the fused layers' states fused), and q at
+    every draft position is what the head gives over the true features and tokens, with
+    the drafts chained."""
+    head_dir = tiny_llama_fused_head_dir if features == "fused" else tiny_llama_head_dir
+    runner = eagle_runner(tiny_llama_dir, head_dir)
     proposer = runner.proposer
     assert isinstance(proposer, EagleProposer) and proposer.features is not None
     request = running("r", runner.target.tokenizer(PROMPTS[0]).input_ids, slot=2, temperature=1.0, seed=5)
@@ -187,9 +197,7 @@ def test_features_and_q_after_rejections_equal_an_unpaged_reference(tiny_llama_d
     plan = proposer.plan([request], [4], buf)
     draft = proposer.run(plan, buf.upload(torch.device("cpu")))
     assert proposer._computed["r"] == n and draft.probs is not None
-    hidden, expected = reference_q(
-        tiny_llama_dir, tiny_llama_head_dir, request.all_token_ids, n, draft.token_ids[0].tolist()
-    )
+    hidden, expected = reference_q(tiny_llama_dir, head_dir, request.all_token_ids, n, draft.token_ids[0].tolist())
     rows = [request.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)]
     torch.testing.assert_close(proposer.features[rows], hidden, atol=1e-4, rtol=0)
     torch.testing.assert_close(draft.probs[0], expected, atol=1e-5, rtol=1e-4)
@@ -277,6 +285,7 @@ def test_speculation_info_names_the_head_and_its_training(tiny_llama_dir, tiny_l
     assert info.draft_head == {
         "path": str(tiny_llama_head_dir),
         "draft_vocab_size": runner.target.vocab_size,
+        "feature_layers": None,
         "training": {"minutes": 3, "acceptance_per_position": [0.6, 0.4]},
     }
 

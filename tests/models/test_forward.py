@@ -185,10 +185,12 @@ def test_long_prefill_among_scattered_decode_rows_matches_hf(model_dir):
     torch.testing.assert_close(logits[41], c[-1], atol=TOL, rtol=0)
 
 
-def test_forward_with_hidden_gives_the_same_logits_and_the_final_hidden_states(model_dir):
+@pytest.mark.parametrize("fused", [False, True], ids=["last", "fused"])
+def test_forward_with_hidden_gives_the_same_logits_and_the_final_hidden_states(model_dir, fused):
     """The EAGLE path: the base model once, the lm_head on the kept rows only. Its logits
     equal `forward_step`'s, it writes the same KV, and its hidden states are HF's last
-    (post-norm) hidden states of every packed token."""
+    (post-norm) hidden states of every packed token, or the asked layers' side by side."""
+    from models.eagle_head import fused_feature_layers
     from models.forward import forward_with_hidden
     from models.kv_cache import LayoutPlan
     from models.transfer import HostBuffer
@@ -212,11 +214,17 @@ def test_forward_with_hidden_gives_the_same_logits_and_the_final_hidden_states(m
     buf.ints("keep", keep)
     arrays = buf.upload(torch.device("cpu"))
     layout = plan.resolve(arrays, "layout")
-    logits, hidden = forward_with_hidden(ours, other, layout, arrays["input_ids"], arrays["keep"])
+    layers = fused_feature_layers(ours.config.num_hidden_layers) if fused else None
+    logits, hidden = forward_with_hidden(ours, other, layout, arrays["input_ids"], arrays["keep"], layers)
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
-    assert hidden.shape == (sum(len(r) for r in rows), ours.config.hidden_size)
+    assert hidden.shape == (sum(len(r) for r in rows), ours.config.hidden_size * len(layers or [0]))
+
+    def states(ids: list[int]) -> torch.Tensor:
+        out = ref.model(torch.tensor([ids]), output_hidden_states=True)
+        return torch.cat([out.hidden_states[i][0] for i in layers], -1) if layers else out.last_hidden_state[0]
+
     with torch.inference_mode():
-        full = [ref.model(torch.tensor([s])).last_hidden_state[0] for s in (seqs[0], seqs[1][:-1] + rows[1], seqs[2])]
+        full = [states(s) for s in (seqs[0], seqs[1][:-1] + rows[1], seqs[2])]
     torch.testing.assert_close(hidden[0], full[0][-1], atol=TOL, rtol=0)
     torch.testing.assert_close(hidden[1:5], full[1][-4:], atol=TOL, rtol=0)
     torch.testing.assert_close(hidden[5:], full[2], atol=TOL, rtol=0)

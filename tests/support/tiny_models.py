@@ -105,24 +105,26 @@ def build_draft_from(target_dir: Path, path: Path, num_layers: int = 1) -> Path:
     return _save(model, tokenizer, path)
 
 
-def build_head(target_dir: Path, path: Path, seed: int = 0, draft_vocab: list[int] | None = None) -> Path:
+def build_head(
+    target_dir: Path, path: Path, seed: int = 0, draft_vocab: list[int] | None = None, fused: bool = False
+) -> Path:
     """An untrained EAGLE head for the model in `target_dir` (`models.eagle_head.new_head`, draft
-    vocabulary `draft_vocab`, default every token), its fc and layer weights perturbed by a seeded
-    generator so its drafts depend on features and tokens and are neither trivial nor always right;
-    saved in float32 with `save_head`."""
-    from models.eagle_head import new_head, save_head
+    vocabulary `draft_vocab`, default every token; `fused`: over the fused layers' states, else the
+    last hidden state), its weights perturbed by a seeded generator so its drafts depend on features
+    and tokens and are neither trivial nor always right; saved in float32 with `save_head`."""
+    from models.eagle_head import TRAINED, fused_feature_layers, new_head, save_head
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.arange(vocab) if draft_vocab is None else torch.tensor(sorted(draft_vocab))
-    head = new_head(model, ids)
+    head = new_head(model, ids, fused_feature_layers(model.config.num_hidden_layers) if fused else None)
     generator = torch.Generator().manual_seed(seed)
     hidden, embed_std = head.config.hidden_size, float(model.get_input_embeddings().weight.detach().std())
     with torch.no_grad():
         # A token path as strong as the feature path (embeddings are ~0.02, final hidden states ~1).
         head.fc.weight[:, :hidden] += torch.randn(hidden, hidden, generator=generator) / (embed_std * hidden**0.5)
         for name, weight in head.named_parameters():
-            if name.startswith(("fc.", "layer.")) and weight.dim() == 2:
+            if name.startswith(TRAINED) and weight.dim() == 2:
                 weight.add_(torch.randn(weight.shape, generator=generator) * 0.5 / weight.shape[1] ** 0.5)
     save_head(head, path, dtype=torch.float32)
     return path

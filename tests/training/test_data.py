@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from models.eagle_head import fused_feature_layers
 from training.data import Sequence, build_draft_vocab, coverage, length_groups, record_features, split_held_out
 
 
@@ -33,6 +34,20 @@ def test_record_features_batches_unequal_lengths_like_one_at_a_time(tiny_loaded)
     for a, b in zip(together, alone):
         assert torch.equal(a.token_ids, b.token_ids) and a.prompt_len == b.prompt_len
         torch.testing.assert_close(a.features, b.features, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_features_are_the_layers_states_side_by_side_and_the_targets_its_own(tiny_loaded):
+    layers = fused_feature_layers(tiny_loaded.model.config.num_hidden_layers)
+    prompts, answers = [[5, 6, 7], [8] * 20], [[11], [12, 13]]
+    last = record_features(tiny_loaded, prompts, answers, batch_tokens=64)
+    fused = record_features(tiny_loaded, prompts, answers, batch_tokens=64, layers=layers)
+    for a, b in zip(last, fused):
+        with torch.inference_mode():
+            out = tiny_loaded.model.get_decoder()(input_ids=b.token_ids[None], output_hidden_states=True)
+        expected = torch.cat([out.hidden_states[i][0] for i in layers], -1)
+        assert b.features.shape == (len(b.token_ids), len(layers) * tiny_loaded.model.config.hidden_size)
+        torch.testing.assert_close(b.features, expected, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a.target_next, b.target_next)  # labels stay the target's argmax
 
 
 def test_draft_vocab_holds_the_most_frequent_tokens_and_coverage_counts_targets():

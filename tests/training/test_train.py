@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from models.eagle_head import new_head
-from training.data import build_draft_vocab, split_held_out
+from models.eagle_head import fused_feature_layers, new_head
+from training.data import build_draft_vocab, record_features, split_held_out
 from training.evaluate import chain_acceptance
 from training.train import TrainConfig, chain_loss, minibatches, train_head
 from training.unroll import draft_index
@@ -34,13 +35,29 @@ def test_training_lowers_the_loss_and_fits_the_answers(tiny_loaded, tiny_sequenc
     assert chain_acceptance(head, held_out).top1 > untrained.top1
 
 
-def test_a_learnable_target_is_drafted_almost_perfectly_on_held_out_answers(cycle_sequences):
+@pytest.mark.parametrize(
+    "features, unroll, feature_loss",
+    # Tokens alone: the chain is trained as long as it is evaluated. EAGLE-1's regression keeps g
+    # in the target's feature space, so its chain also drafts past the steps it was trained on.
+    [("fused", 4, 0.0), ("last", 2, 1.0)],
+    ids=["fused-tokens", "last-regression"],
+)
+def test_a_learnable_target_is_drafted_almost_perfectly_on_held_out_answers(
+    features, unroll, feature_loss, cycle_sequences
+):
     loaded, sequences = cycle_sequences
+    layers = fused_feature_layers(loaded.model.config.num_hidden_layers) if features == "fused" else None
+    if layers:
+        prompt_ids = [s.token_ids[: s.prompt_len].tolist() for s in sequences]
+        answers = [s.token_ids[s.prompt_len :].tolist() for s in sequences]
+        sequences = record_features(loaded, prompt_ids, answers, layers=layers)
     train_set, held_out = split_held_out(sequences, 0.25, seed=0)
-    head = new_head(loaded.model, build_draft_vocab(train_set, 64, loaded.vocab_size))
+    head = new_head(loaded.model, build_draft_vocab(train_set, 64, loaded.vocab_size), layers)
     head.requires_grad_(True)
     untrained = chain_acceptance(head, held_out)
-    train_head(head, train_set, TrainConfig(minutes=2, epochs=60, batch_tokens=1024, lr=3e-3, warmup_steps=5))
+    config = TrainConfig(minutes=2, epochs=60, batch_tokens=1024, lr=3e-3, warmup_steps=5, unroll=unroll,
+                         feature_loss=feature_loss)  # fmt: skip
+    train_head(head, train_set, config)
     trained = chain_acceptance(head, held_out)
     assert untrained.accepted_per_verify < 0.5
     assert min(trained.per_position) > 0.9, trained  # the chained steps too, fed the head's own features
@@ -58,3 +75,21 @@ def test_the_same_seed_and_epochs_give_the_same_head(tiny_loaded, tiny_sequences
         train_head(head, sequences, TrainConfig(minutes=1, epochs=2, batch_tokens=512, seed=7))
         heads.append(head.trainable_state())
     assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
+
+
+def test_a_feature_loss_needs_a_head_over_the_last_hidden_state(tiny_loaded, tiny_sequences):
+    layers = fused_feature_layers(tiny_loaded.model.config.num_hidden_layers)
+    head = new_head(tiny_loaded.model, build_draft_vocab(tiny_sequences, 64, tiny_loaded.vocab_size), layers)
+    with pytest.raises(ValueError, match="last hidden state"):
+        train_head(head, tiny_sequences, TrainConfig(minutes=1, epochs=1, feature_loss=1.0))
+
+
+def test_bf16_autocast_trains_float32_weights(tiny_loaded, tiny_sequences):
+    """Where the target runs in bf16, train-draft computes in bf16: the weights stay float32 and learn."""
+    head = new_head(tiny_loaded.model, build_draft_vocab(tiny_sequences, 128, tiny_loaded.vocab_size))
+    head.requires_grad_(True)
+    config = TrainConfig(minutes=1, epochs=10, batch_tokens=1024, lr=3e-3, warmup_steps=5, bf16_autocast=True)
+    before = mean_loss(head, tiny_sequences, config)
+    train_head(head, tiny_sequences, config)
+    assert all(p.dtype == torch.float32 for p in head.parameters())
+    assert mean_loss(head, tiny_sequences, config) < 0.8 * before

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from models.eagle_head import HeadMismatch, load_head, read_head_config
+from models.eagle_head import HeadMismatch, fused_feature_layers, load_head, read_head_config
 from models.loader import ModelConfig, load_model
 from server.cli import build_parser, main
 
@@ -42,6 +42,9 @@ def test_train_draft_writes_a_head_for_its_model_only(tiny_llama_dir, tiny_qwen2
     llama = load_model(ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"))
     head = load_head(out, llama.model)
     assert head.config.draft_vocab_size == 100
+    # Fused features by default: the layers are recorded, and the fuse layer is saved and loaded.
+    assert head.config.feature_layers == fused_feature_layers(llama.model.config.num_hidden_layers)
+    assert head.fuse is not None and "fuse.weight" in head.trainable_state()
     qwen = load_model(ModelConfig(model=str(tiny_qwen2_dir), dtype="float32", device="cpu"))
     with pytest.raises(HeadMismatch, match="trained for another model"):
         load_head(out, qwen.model)
@@ -51,3 +54,9 @@ def test_a_missing_prompt_file_is_an_error_not_a_traceback(tiny_llama_dir, tmp_p
     code = main(["train-draft", "--model", str(tiny_llama_dir), "--out", str(tmp_path / "h"),
                  "--prompts", str(tmp_path / "missing.jsonl")])  # fmt: skip
     assert code == 1 and "missing.jsonl" in capsys.readouterr().err
+
+
+def test_a_feature_loss_over_fused_features_is_an_error_before_loading(tmp_path, capsys):
+    code = main(["train-draft", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "h"),
+                 "--feature-loss", "1"])  # fmt: skip
+    assert code == 1 and "--features last" in capsys.readouterr().err
