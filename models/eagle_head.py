@@ -11,7 +11,7 @@ either the target's last hidden state h_p (post final norm: what its lm_head
 reads; EAGLE-1, where g_p is also trained to regress h_{p+1}), or, for a head
 with `feature_layers`, a low, a middle and a high layer's states, each
 RMS-normalised and fused to the hidden size by a linear layer (EAGLE-3's
-features, trained on tokens alone: they accept more here, docs/eagle.md). The
+features, trained on tokens alone: they accept more here, docs/training.md). The
 embeddings and the output rows are the target's own, frozen and never saved: a
 head directory holds the fuse, fc and decoder-layer weights, the draft
 vocabulary (most frequent target tokens) and the identity of the target it was

@@ -50,19 +50,43 @@ def forward_with_hidden(
     token's hidden state: the last one `[T, H]` (after the final norm: what the lm_head reads),
     or with `layers` (indices into the model's `hidden_states`) those layers' side by side
     `[T, len(layers) H]`. The base model runs once and the output layer only on the `keep` rows."""
-    with laid_out(cache, layout):
-        out = model.get_decoder()(
+    decoder = model.get_decoder()
+    with laid_out(cache, layout), captured_layers(decoder, layers or ()) as states:
+        out = decoder(
             input_ids=input_ids[None],
             position_ids=layout.token_pos[None],
             cache=cache,
             use_cache=True,
             specd_layout=layout,
-            output_hidden_states=bool(layers),
         )
     last = out.last_hidden_state[0]
-    hidden = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1) if layers else last
+    num_layers = len(decoder.layers)
+    hidden = torch.cat([last if i == num_layers else states[i] for i in layers], dim=-1) if layers else last
     logits = model.get_output_embeddings()(last.index_select(0, keep))
     return logits.float(), hidden
+
+
+@contextmanager
+def captured_layers(decoder, layers: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """{i: [T, H] output of decoder layer i (counting from 1)} for the forward run inside, for
+    each i in `layers` below the last (index L is the final norm's output, `last_hidden_state`).
+    Hooks keep only these layers' states, where `output_hidden_states` would keep all L + 1."""
+    states: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i in layers:
+        if not 1 <= i <= len(decoder.layers):
+            raise ValueError(f"layer {i} is not one of the model's 1..{len(decoder.layers)}")
+        if i < len(decoder.layers):
+
+            def keep_output(module, args, output, i=i) -> None:
+                states[i] = (output[0] if isinstance(output, tuple) else output)[0]
+
+            hooks.append(decoder.layers[i - 1].register_forward_hook(keep_output))
+    try:
+        yield states
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def check_plain_logits(model) -> None:

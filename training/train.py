@@ -6,7 +6,7 @@ Loss per chained step s (training/unroll.py), averaged over the steps:
 
 Tokens alone by default, as EAGLE-3 trains: the feature regression (EAGLE-1's, which
 weights tokens 0.1 against it) only exists for a head over the last hidden state, and
-it lowered held-out acceptance here (docs/eagle.md). Targets outside the draft
+it lowered held-out acceptance here (docs/training.md). Targets outside the draft
 vocabulary add no token term. With `unroll` >= 2 the head also learns from its own
 outputs fed back, as it drafts at serving time.
 
