@@ -60,17 +60,17 @@ def forward_with_hidden(
             specd_layout=layout,
         )
     last = out.last_hidden_state[0]
-    num_layers = len(decoder.layers)
-    hidden = torch.cat([last if i == num_layers else states[i] for i in layers], dim=-1) if layers else last
+    hidden = side_by_side(states, out.last_hidden_state, layers)[0] if layers else last
     logits = model.get_output_embeddings()(last.index_select(0, keep))
     return logits.float(), hidden
 
 
 @contextmanager
 def captured_layers(decoder, layers: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
-    """{i: [T, H] output of decoder layer i (counting from 1)} for the forward run inside, for
-    each i in `layers` below the last (index L is the final norm's output, `last_hidden_state`).
-    Hooks keep only these layers' states, where `output_hidden_states` would keep all L + 1."""
+    """{i: [B, T, H] output of decoder layer i (counting from 1)} for the forward run inside, for
+    each i in `layers` below the last (index L is the final norm's output, `last_hidden_state`:
+    see `side_by_side`). Hooks keep only these layers' states, where `output_hidden_states`
+    would keep all L + 1."""
     states: dict[int, torch.Tensor] = {}
     hooks = []
     for i in layers:
@@ -79,7 +79,7 @@ def captured_layers(decoder, layers: Sequence[int]) -> Iterator[dict[int, torch.
         if i < len(decoder.layers):
 
             def keep_output(module, args, output, i=i) -> None:
-                states[i] = (output[0] if isinstance(output, tuple) else output)[0]
+                states[i] = output[0] if isinstance(output, tuple) else output
 
             hooks.append(decoder.layers[i - 1].register_forward_hook(keep_output))
     try:
@@ -87,6 +87,12 @@ def captured_layers(decoder, layers: Sequence[int]) -> Iterator[dict[int, torch.
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def side_by_side(states: dict[int, torch.Tensor], last: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
+    """`captured_layers`' states of `layers` concatenated on the last dim, `last` (the
+    decoder's `last_hidden_state`) standing for the last layer's index."""
+    return torch.cat([states.get(i, last) for i in layers], dim=-1)
 
 
 def check_plain_logits(model) -> None:

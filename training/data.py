@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from models.builder import ProposerConfig, build_runner
+from models.forward import captured_layers, side_by_side
 from models.loader import LoadedModel
 from models.runner import RunnerConfig
 from scheduler.offline import Completion, run_offline
@@ -155,13 +156,9 @@ def record_features(
             for row, i in enumerate(group):
                 ids[row, : len(token_ids[i])] = token_ids[i]
                 mask[row, : len(token_ids[i])] = 1
-            out = base(
-                input_ids=ids.to(loaded.device),
-                attention_mask=mask.to(loaded.device),
-                output_hidden_states=bool(layers),
-            )
-            hidden = out.last_hidden_state
-            states = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else hidden
+            with captured_layers(base, layers or ()) as captured:
+                hidden = base(input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device)).last_hidden_state
+            states = side_by_side(captured, hidden, layers) if layers else hidden
             for row, i in enumerate(group):
                 length = len(token_ids[i])
                 sequences[i] = Sequence(
