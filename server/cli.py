@@ -183,6 +183,13 @@ def add_train_draft_parser(commands, config_help: str) -> None:
         "(--features last only) [default: 0]",
     )
     train.add_argument(
+        "--targets",
+        choices=("soft", "argmax"),
+        default="soft",
+        help="what the head learns to predict: soft = the target's distribution (its 32 likeliest tokens, "
+        "as EAGLE trains); argmax = its greedy token alone [default: soft]",
+    )
+    train.add_argument(
         "--held-out", type=float, default=0.1, help="share of the answers kept out of training [default: 0.1]"
     )
     train.add_argument(
@@ -366,6 +373,7 @@ def train_draft(args: argparse.Namespace) -> int:
                 lr=args.lr,
                 unroll=args.unroll,
                 feature_loss=args.feature_loss,
+                soft_targets=args.targets == "soft",
                 seed=args.seed,
             ),
         )

@@ -5,11 +5,13 @@
 2. `record_features`: one padded, batched forward per group of sequences keeps, at
    every position p, the target's states the head reads (its last hidden state h_p,
    post final norm: what its lm_head reads; or the fused layers' states side by side)
-   and its own next token a_p = argmax logits(h_p).
+   and its own next token a_p = argmax logits(h_p), with its `TOP_K` likeliest tokens
+   and their probabilities (the soft targets EAGLE trains on).
 3. `build_draft_vocab`: the most frequent tokens of the training sequences.
 
 Everything stays in memory (float32 features: SmolLM2-135M's 576 floats are 2.3 KB
-a token, three fused layers 6.9 KB, so 50k tokens take 115 or 346 MB).
+a token, three fused layers 6.9 KB, so 50k tokens take 115 or 346 MB; the top-k
+targets add 32 x 6 bytes).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ from training.prompts import TrainingPrompt
 
 logger = logging.getLogger("specd.training")
 
+# The target's distribution is kept as its TOP_K likeliest tokens: the rest of the mass is
+# spread thin over tens of thousands of tokens (SmolLM2's 32 likeliest hold 0.95 of it along
+# its own answers, mean over positions) and costs 32 x 6 bytes a position instead of 100 KB.
+TOP_K = 32
+
 
 @dataclass
 class DataConfig:
@@ -53,6 +60,9 @@ class Sequence:
     prompt_len: int
     features: torch.Tensor  # [L, F] float32: h_p (F = H), or the fused layers' states (F = layers x H)
     target_next: torch.Tensor  # [L] the target's argmax at p: its token for position p + 1
+    # [L, TOP_K] the target's likeliest tokens at p and their probabilities (float16), or None
+    target_top_ids: torch.Tensor | None = None
+    target_top_probs: torch.Tensor | None = None
 
     @property
     def num_answer_tokens(self) -> int:
@@ -139,8 +149,9 @@ def record_features(
     batch_tokens: int = 2048,
     layers: list[int] | None = None,
 ) -> list[Sequence]:
-    """The features and a_p at every position of every prompt + answer (answers may be empty):
-    h_p, or with `layers` (indices into the model's `hidden_states`) those states side by side."""
+    """The features, a_p and the target's top-k at every position of every prompt + answer (answers
+    may be empty): h_p, or with `layers` (indices into the model's `hidden_states`) those states
+    side by side."""
     model = loaded.model
     # The runner switched the model to specd's paged attention; a plain padded batch needs SDPA.
     model.set_attn_implementation("sdpa")
@@ -161,11 +172,15 @@ def record_features(
             states = side_by_side(captured, hidden, layers) if layers else hidden
             for row, i in enumerate(group):
                 length = len(token_ids[i])
+                logits = lm_head(hidden[row, :length]).float()
+                top_probs, top_ids = logits.softmax(-1).topk(min(TOP_K, logits.shape[-1]), dim=-1)
                 sequences[i] = Sequence(
                     token_ids=token_ids[i],
                     prompt_len=len(prompt_ids[i]),
                     features=states[row, :length].float().cpu(),
-                    target_next=lm_head(hidden[row, :length]).argmax(-1).cpu(),
+                    target_next=logits.argmax(-1).cpu(),
+                    target_top_ids=top_ids.cpu(),
+                    target_top_probs=top_probs.half().cpu(),
                 )
                 bar.update(length)
     logger.info("recorded features of %d tokens in %.0fs", sum(map(len, token_ids)), time.perf_counter() - started)

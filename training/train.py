@@ -2,13 +2,18 @@
 
 Loss per chained step s (training/unroll.py), averaged over the steps:
 
-    cross_entropy(draft_logits(g^s), a_{next})  [+ feature_loss * smooth_l1(g^s, h_{next})]
+    cross_entropy(p_next, softmax(draft_logits(g^s)))  [+ feature_loss * smooth_l1(g^s, h_{next})]
 
-Tokens alone by default, as EAGLE-3 trains: the feature regression (EAGLE-1's, which
-weights tokens 0.1 against it) only exists for a head over the last hidden state, and
-it lowered held-out acceptance here (docs/training.md). Targets outside the draft
-vocabulary add no token term. With `unroll` >= 2 the head also learns from its own
-outputs fed back, as it drafts at serving time.
+p_next is the target's own distribution at the next position, as EAGLE trains:
+its recorded top-k restricted to the draft vocabulary and renormalised (with
+`soft_targets` off, or data recorded without it, one-hot on its argmax a_{next}).
+The soft targets carry what the target thought of the runners-up, which a few
+hundred answers cannot show one token at a time. Tokens alone by default, as
+EAGLE-3 trains: the feature regression (EAGLE-1's, which weights tokens 0.1
+against it) only exists for a head over the last hidden state, and it lowered
+held-out acceptance here (docs/training.md). Targets outside the draft
+vocabulary add no token term. With `unroll` >= 2 the head also learns from its
+own outputs fed back, as it drafts at serving time.
 
 The learning rate warms up, then follows a cosine to zero over the run: over the
 steps of `epochs` when given (the run is then deterministic with `seed`), else over
@@ -46,6 +51,7 @@ class TrainConfig:
     warmup_steps: int = 20
     unroll: int = 2  # chained steps trained per position (1: EAGLE-1's single step)
     feature_loss: float = 0.0  # weight of EAGLE-1's regression of h_{next} (last-hidden-state heads only)
+    soft_targets: bool = True  # the target's top-k distribution (where recorded), else its argmax
     # Forward and backward under bf16 autocast (weights and optimiser stay float32): train-draft
     # turns it on where the target itself runs in bf16, i.e. the machine computes bf16 natively.
     bf16_autocast: bool = False
@@ -159,14 +165,32 @@ def chain_loss(
         g = step.g[valid]
         targets = index[step.token_target[valid]]
         logits = head.draft_logits(g)
-        known = targets != IGNORE
-        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE) if known.any() else g.sum() * 0
+        if config.soft_targets and step.top_ids is not None and step.top_probs is not None:
+            loss = soft_cross_entropy(logits, index[step.top_ids[valid]], step.top_probs[valid])
+        elif (targets != IGNORE).any():
+            loss = F.cross_entropy(logits, targets, ignore_index=IGNORE)
+        else:
+            loss = logits.sum() * 0
         if config.feature_loss:
             loss = loss + config.feature_loss * F.smooth_l1_loss(g, step.feature_target[valid])
         losses.append(loss)
         if s == 0:
             top1 = (logits.argmax(-1) == targets).float().mean().item() if len(targets) else 0.0
     return torch.stack(losses).mean(), top1
+
+
+def soft_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of -sum_i p_i log q(ids_i): `ids` [N, k] are draft-vocabulary positions
+    (IGNORE outside it), `probs` [N, k] the target's probabilities, renormalised over the ids
+    inside (a row with none adds nothing), q = softmax(logits)."""
+    inside = ids != IGNORE
+    p = torch.where(inside, probs.float(), 0.0)
+    mass = p.sum(-1, keepdim=True)
+    rows = mass[:, 0] > 0
+    if not rows.any():
+        return logits.sum() * 0
+    log_q = logits.float().log_softmax(-1).gather(-1, ids.clamp_min(0))
+    return -((p / mass.clamp_min(1e-12)) * log_q).sum(-1)[rows].mean()
 
 
 def minibatches(sequences: list[Sequence], batch_tokens: int) -> list[ChainBatch]:

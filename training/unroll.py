@@ -8,8 +8,9 @@ reads
              at i), else g^{s-1}_i (the previous step's own output)
     token    t_{i+s+1}   (under greedy, the draft the previous step made if it was right)
 
-and is trained so that draft_logits(g^s_i) picks a_{i+s+1} (and, for a head over
-the last hidden state with a feature loss, g^s_i ~ h_{i+s+1}).
+and is trained so that draft_logits(g^s_i) matches the target's distribution at
+i + s + 1 (its top-k; or picks its argmax a_{i+s+1}), and, for a head over the last
+hidden state with a feature loss, g^s_i ~ h_{i+s+1}.
 Its attention sees what a serving-time chain sees: the head's entries for positions
 0..i computed from the target's own features (step 0 of earlier chains), then only
 its own chain's steps 1..s (EAGLE-3's "training-time test"). All chains of a batch of
@@ -39,6 +40,10 @@ class ChainBatch:
     target_next: torch.Tensor  # [B, T]
     lengths: torch.Tensor  # [B]
     first_start: torch.Tensor  # [B] first chain start scored (0, or the answer's first position)
+    # [B, T, k] the target's top-k ids and probabilities at each position; None unless every
+    # sequence has them
+    top_ids: torch.Tensor | None = None
+    top_probs: torch.Tensor | None = None
 
     @classmethod
     def of(cls, sequences: list[Sequence], answers_only: bool = False) -> ChainBatch:
@@ -52,6 +57,11 @@ class ChainBatch:
             # A serving chain first starts at the prompt's last position: it reads the first answer token.
             first_start=torch.tensor([max(s.prompt_len - 1, 0) if answers_only else 0 for s in sequences]),
         )
+        top_ids = [s.target_top_ids for s in sequences if s.target_top_ids is not None]
+        top_probs = [s.target_top_probs for s in sequences if s.target_top_probs is not None]
+        if len(top_ids) == len(top_probs) == len(sequences):  # zero-padded like the rest
+            batch.top_ids = torch.nn.utils.rnn.pad_sequence(top_ids, batch_first=True)
+            batch.top_probs = torch.nn.utils.rnn.pad_sequence(top_probs, batch_first=True).float()
         for row, s in enumerate(sequences):
             n = len(s.token_ids)
             batch.features[row, :n] = s.features
@@ -77,6 +87,8 @@ class ChainStep:
     g: torch.Tensor  # [B, T, H]: g^s_i at column i
     feature_target: torch.Tensor  # [B, T, F]: the recorded states at i + s + 1
     token_target: torch.Tensor  # [B, T]: a_{i+s+1}
+    top_ids: torch.Tensor | None  # [B, T, k]: the target's top-k at i + s + 1 (None: not recorded)
+    top_probs: torch.Tensor | None
 
 
 def unrolled(head: EagleHead, batch: ChainBatch, steps: int) -> list[ChainStep]:
@@ -102,6 +114,8 @@ def unrolled(head: EagleHead, batch: ChainBatch, steps: int) -> list[ChainStep]:
                 g=g,
                 feature_target=batch.shifted(batch.features, s + 1),
                 token_target=batch.shifted(batch.target_next, s + 1),
+                top_ids=None if batch.top_ids is None else batch.shifted(batch.top_ids, s + 1),
+                top_probs=None if batch.top_probs is None else batch.shifted(batch.top_probs, s + 1),
             )
         )
         features = g

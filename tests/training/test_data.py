@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from models.eagle_head import fused_feature_layers
-from training.data import Sequence, build_draft_vocab, coverage, length_groups, record_features, split_held_out
+from training.data import TOP_K, Sequence, build_draft_vocab, coverage, length_groups, record_features, split_held_out
 
 
 def fake_sequence(ids: list[int], targets: list[int]) -> Sequence:
@@ -20,8 +20,14 @@ def test_answers_are_the_targets_greedy_tokens_and_features_are_its_last_hidden_
         with torch.inference_mode():
             hidden = model.get_decoder()(input_ids=s.token_ids[None]).last_hidden_state[0]
             argmax = model.get_output_embeddings()(hidden).argmax(-1)
+            probs = model.get_output_embeddings()(hidden).softmax(-1)
         torch.testing.assert_close(s.features, hidden, rtol=1e-4, atol=1e-4)
         assert torch.equal(s.target_next, argmax)
+        # The soft targets: the target's TOP_K likeliest tokens at every position, with their probabilities.
+        assert s.target_top_ids.shape == s.target_top_probs.shape == (len(s.token_ids), TOP_K)
+        assert torch.equal(s.target_top_ids[:, 0], argmax)
+        torch.testing.assert_close(s.target_top_probs.float(), probs.gather(-1, s.target_top_ids), rtol=1e-3, atol=1e-3)
+        assert torch.equal(s.target_top_probs.float(), s.target_top_probs.float().sort(-1, descending=True).values)
         # Greedy answers: each answer token is the target's argmax at the position before it.
         answer = slice(s.prompt_len - 1, len(s.token_ids) - 1)
         assert torch.equal(s.token_ids[s.prompt_len :], s.target_next[answer])

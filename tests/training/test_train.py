@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from models.eagle_head import fused_feature_layers, new_head
 from training.data import build_draft_vocab, record_features, split_held_out
 from training.evaluate import chain_acceptance
-from training.train import TrainConfig, chain_loss, minibatches, train_head
-from training.unroll import draft_index
+from training.train import TrainConfig, chain_loss, minibatches, soft_cross_entropy, train_head
+from training.unroll import IGNORE, draft_index
 
 
 def mean_loss(head, sequences, config: TrainConfig) -> float:
+    """Cross-entropy against the target's argmax (a soft target's has the target's entropy as its floor)."""
+    config = replace(config, soft_targets=False)
     index = draft_index(head.draft_vocab, head.vocab_size)
     with torch.no_grad():
         losses = [chain_loss(head, b, index, config)[0].item() for b in minibatches(sequences, config.batch_tokens)]
@@ -23,7 +27,8 @@ def test_training_lowers_the_loss_and_fits_the_answers(tiny_loaded, tiny_sequenc
     train_set, held_out = split_held_out(tiny_sequences, 0.2, seed=0)
     head = new_head(tiny_loaded.model, build_draft_vocab(train_set, 128, tiny_loaded.vocab_size))
     head.requires_grad_(True)
-    config = TrainConfig(minutes=2, epochs=30, batch_tokens=1024, lr=3e-3, warmup_steps=5, seed=0)
+    # The argmax: a random model's distributions are nearly flat, so its soft targets say little.
+    config = TrainConfig(minutes=2, epochs=30, batch_tokens=1024, lr=3e-3, warmup_steps=5, seed=0, soft_targets=False)
     loss_before, fit_before = mean_loss(head, train_set, config), chain_acceptance(head, train_set).top1
     untrained = chain_acceptance(head, held_out)
     result = train_head(head, train_set, config, lambda: chain_acceptance(head, held_out).as_record())
@@ -62,6 +67,37 @@ def test_a_learnable_target_is_drafted_almost_perfectly_on_held_out_answers(
     assert untrained.accepted_per_verify < 0.5
     assert min(trained.per_position) > 0.9, trained  # the chained steps too, fed the head's own features
     assert trained.per_position == sorted(trained.per_position, reverse=True)  # a chain only shortens
+
+
+def test_soft_targets_renormalise_inside_the_draft_vocabulary():
+    logits = torch.randn(3, 5)
+    log_q = logits.log_softmax(-1)
+    ids = torch.tensor([[2, IGNORE, 4], [1, 0, IGNORE], [IGNORE, IGNORE, IGNORE]])
+    probs = torch.tensor([[0.5, 0.3, 0.1], [1.0, 0.0, 0.0], [0.9, 0.05, 0.05]])
+    # Row 0: 0.5 and 0.1 inside, renormalised to 5/6 and 1/6; row 1 is one-hot (hard cross-entropy);
+    # row 2 has nothing inside the draft vocabulary and adds nothing.
+    expected = (-(5 / 6 * log_q[0, 2] + 1 / 6 * log_q[0, 4]) - log_q[1, 1]) / 2
+    torch.testing.assert_close(soft_cross_entropy(logits, ids, probs), expected)
+    one_hot = soft_cross_entropy(logits[1:2], ids[1:2], probs[1:2])
+    torch.testing.assert_close(one_hot, torch.nn.functional.cross_entropy(logits[1:2], torch.tensor([1])))
+
+
+def test_soft_and_argmax_targets_both_train(tiny_loaded, tiny_sequences):
+    """Soft targets by default; `soft_targets=False` (or data without a recorded top-k) trains on the argmax."""
+    vocab = build_draft_vocab(tiny_sequences, 128, tiny_loaded.vocab_size)
+    argmax = TrainConfig(minutes=1, epochs=10, batch_tokens=1024, lr=3e-3, warmup_steps=5, soft_targets=False)
+    for config in (argmax, replace(argmax, soft_targets=True)):
+        torch.manual_seed(0)
+        head = new_head(tiny_loaded.model, vocab)
+        head.requires_grad_(True)
+        fit_before = chain_acceptance(head, tiny_sequences).top1
+        train_head(head, tiny_sequences, config)
+        assert chain_acceptance(head, tiny_sequences).top1 > fit_before + 0.1
+    # A soft loss weighs the runners-up too, so on the same head the two losses differ.
+    index = draft_index(vocab, tiny_loaded.vocab_size)
+    batch = minibatches(tiny_sequences, 1024)[0]
+    with torch.no_grad():
+        assert chain_loss(head, batch, index, argmax)[0] != chain_loss(head, batch, index, config)[0]
 
 
 def test_the_same_seed_and_epochs_give_the_same_head(tiny_loaded, tiny_sequences):
