@@ -11,7 +11,7 @@
 
 Everything stays in memory (float32 features: SmolLM2-135M's 576 floats are 2.3 KB
 a token, three fused layers 6.9 KB, so 50k tokens take 115 or 346 MB; the top-k
-targets add 32 x 6 bytes).
+targets add 32 x 10 bytes: int64 ids, float16 probabilities).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ logger = logging.getLogger("specd.training")
 
 # The target's distribution is kept as its TOP_K likeliest tokens: the rest of the mass is
 # spread thin over tens of thousands of tokens (SmolLM2's 32 likeliest hold 0.95 of it along
-# its own answers, mean over positions) and costs 32 x 6 bytes a position instead of 100 KB.
+# its own answers, mean over positions) and costs 32 x 10 bytes a position instead of 100 KB.
 TOP_K = 32
 
 
