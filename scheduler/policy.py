@@ -25,13 +25,16 @@ Rule (documented in README, "How `auto` decides"):
   model of the step learned online on the running machine
   (`scheduler.cost_model`): the slope of the step's time in its tokens at this
   step's size, plus a draft model's forward when the token needs one more.
-  Candidate draft positions of all auto rows are taken greedily by
-  decreasing g while each raises the decode rows' expected tokens per
-  second (g * S > dS * E, S the decode rows' predicted time, E their
-  expected tokens; a prefill chunk in the step is paid either way and is
-  left out of S). The step speculates only if the whole, its fixed verify
-  cost included, beats the plain step by more than the cost model's recent
-  error. So a copying row drafts long in a large batch while a creative row
+  Candidate draft positions of all auto rows are ranked by decreasing g;
+  each prefix of that ranking is a plan whose rate is its expected tokens
+  over its predicted time (the decode rows' time plus what its tokens, the
+  fixed verify cost and a draft model's forwards add; a prefill chunk in
+  the step is paid either way and is left out), and the best prefix wins:
+  the step's cost need not be convex in its tokens, so stopping at the first
+  token that does not pay can miss a draft that does. The step speculates
+  only if that plan beats the plain step by more than the recent verify
+  steps fell short of the edge they were chosen for (`EdgeCheck`; at least
+  5%). So a copying row drafts long in a large batch while a creative row
   next to it drafts nothing.
 * The plain step is only known if the model saw one of about this size
   lately; while it speculates every step it does not, so when none was seen
@@ -91,11 +94,15 @@ NO_PREFILL = StepShape(0)  # a step of decode rows only
 # step runs plain once to measure it (about one step in 35 while that lasts).
 EXPLORE_BELOW = 0.5
 EXPLORE_MARGIN = 2.0
-# A verify step must beat the plain step by the model's own recent error: the
-# plans chosen are the ones whose gains were overestimated (a maximum over noisy
-# estimates is biased up), and a call inside the error is a coin flip that
-# costs a verify step's fixed price when it loses.
-MIN_EDGE, MAX_EDGE = 0.05, 0.25  # past 25% the error is noise (a loaded machine), not bias
+# A verify step must beat the plain step by how far the verify steps auto chose
+# fell short of their predicted edge lately (`EdgeCheck`: tokens expected over
+# emitted, their time measured over predicted, against plain steps' time bias);
+# until it has seen enough of them, by the cost model's recent error. At least
+# MIN_EDGE: a call inside that is a coin flip that costs a verify step's fixed
+# price when it loses.
+MIN_EDGE, MAX_EDGE = 0.05, 0.25  # past 25% the shortfall is noise (a loaded machine), not bias
+EDGE_CHECK_KEEP = 0.98  # per step: about the last 50 steps of each kind count
+EDGE_CHECK_MIN_STEPS = 5.0  # decayed verify and plain steps each before the shortfall decides
 
 
 @dataclass
@@ -252,6 +259,55 @@ class StepPlan:
 
 
 @dataclass
+class EdgeCheck:
+    """How far the verify steps `auto` chose delivered the edge they were chosen for.
+
+    A step speculates when its predicted tokens per second beat the plain
+    step's; it delivers (emitted / expected) x (predicted / measured time) of
+    that, and the plain step it was compared with runs (predicted / measured)
+    of its own prediction. Their ratio, decayed over recent steps, is the
+    factor by which chosen plans over-promise: the edge a plan needs. A
+    systematic miss (gains overestimated where they were chosen for being
+    high, verify steps slower than the fit says) raises it; scatter that
+    averages out does not, where the cost model's per-step error would.
+    """
+
+    spec_expected: float = 0.0
+    spec_emitted: float = 0.0
+    spec_predicted: float = 0.0
+    spec_observed: float = 0.0
+    num_spec: float = 0.0
+    plain_predicted: float = 0.0
+    plain_observed: float = 0.0
+    num_plain: float = 0.0
+
+    def add_spec(self, expected: float, emitted: float, predicted: float, observed: float) -> None:
+        keep = EDGE_CHECK_KEEP
+        self.spec_expected = keep * self.spec_expected + expected
+        self.spec_emitted = keep * self.spec_emitted + emitted
+        self.spec_predicted = keep * self.spec_predicted + predicted
+        self.spec_observed = keep * self.spec_observed + observed
+        self.num_spec = keep * self.num_spec + 1.0
+
+    def add_plain(self, predicted: float, observed: float) -> None:
+        keep = EDGE_CHECK_KEEP
+        self.plain_predicted = keep * self.plain_predicted + predicted
+        self.plain_observed = keep * self.plain_observed + observed
+        self.num_plain = keep * self.num_plain + 1.0
+
+    @property
+    def shortfall(self) -> float | None:
+        """Predicted edge over delivered edge, minus one (None: too few steps of either kind)."""
+        if self.num_spec < EDGE_CHECK_MIN_STEPS or self.num_plain < EDGE_CHECK_MIN_STEPS:
+            return None
+        if min(self.spec_emitted, self.spec_predicted, self.plain_observed) <= 0:
+            return None
+        delivered = (self.spec_emitted / self.spec_expected) * (self.spec_predicted / self.spec_observed)
+        plain = self.plain_predicted / self.plain_observed
+        return plain / delivered - 1.0
+
+
+@dataclass
 class TokenCalibration:
     """Tokens the policy expected from its decode rows vs what they emitted.
 
@@ -292,6 +348,7 @@ class SpecPolicy:
     tokens: TokenCalibration = field(default_factory=TokenCalibration)
     preview: Preview | None = None  # set when the proposer prices its drafts
     calibration: ProbabilityCalibration = field(default_factory=ProbabilityCalibration)
+    edge_check: EdgeCheck = field(default_factory=EdgeCheck)
     _state: dict[str, AcceptanceState] = field(default_factory=dict)
     _recent: dict[str, PositionCounts] = field(default_factory=dict)  # by proposer method
     num_explored: int = 0  # steps run plain to measure a plain step's cost
@@ -390,12 +447,16 @@ class SpecPolicy:
         return candidates
 
     def _choose(self, requests, candidates, ks, budget, prefill: StepShape) -> tuple[StepPlan, int]:
-        """Greedy by decreasing gain while a token raises the decode rows' tokens per second.
+        """The best prefix of the candidates (by decreasing gain) for the decode rows' tokens per second.
 
-        The ratio is taken over the decode rows' own time: a prefill chunk in the
-        step is paid with or without drafts, and counting it would make drafts
-        look cheap exactly when a long prompt arrives. A token's price is still
-        f's slope at the whole step's size.
+        Every prefix is a plan, priced by the step's predicted time with that
+        many more tokens; the best one wins, rather than the first point where
+        one more token stops paying: a step's cost need not be convex in its
+        tokens (where a second token costs more than the next six, a greedy
+        rule never drafts at all). The ratio is taken over the decode rows' own
+        time: a prefill chunk in the step is paid with or without drafts, and
+        counting it would make drafts look cheap exactly when a long prompt
+        arrives; tokens are still priced at the whole step's size.
         """
         forced = sum(ks)
         expected = float(len(requests))  # forced drafts count as gain-free here
@@ -407,38 +468,41 @@ class SpecPolicy:
         if cost.is_fitted:
             decode_context = sum(r.num_computed_tokens + 1 for r in requests) + forced
             decode = StepShape(len(requests) + forced, decode_context, already_spec, draft_positions)
-            seconds = cost.predict(decode)
+            seconds = max(cost.predict(decode), 1e-9)  # an early fit can price a small step at 0
             whole = replace(decode, num_tokens=tokens, num_context=decode_context + prefill.num_context)
             prefill_seconds = max(cost.predict(whole) - seconds, 0.0)
             spec_cost, draft_cost = cost.spec_cost, cost.draft_forward_cost
         else:  # nothing measured yet: a memory-bound guess (a token costs 2% of a step)
             seconds, prefill_seconds, spec_cost, draft_cost = 1.0, 0.0, 0.0, 0.0
         plain_seconds, plain_expected = seconds, expected
+        fixed = 0.0 if already_spec else spec_cost  # the first draft makes this a verify step
+        order = sorted(candidates, key=lambda c: -c[0])[: max(budget, 0)]
+        best, best_rate = 0, expected / seconds
+        best_expected, best_seconds = expected, seconds
+        drafted = [0] * len(requests)
+        forwards = 0.0  # a device proposer's extra forwards, past those the step runs anyway
+        for m, (gain, i) in enumerate(order, 1):
+            drafted[i] += 1
+            if self.method_of(requests[i]) in DEVICE_PROPOSERS and drafted[i] > draft_positions:
+                draft_positions = drafted[i]
+                forwards += draft_cost
+            expected += gain
+            added = cost.added_tokens_cost(tokens, m) if cost.is_fitted else 0.02 * m
+            rate = expected / (seconds + added + forwards + fixed)
+            if rate > best_rate:
+                best, best_rate = m, rate
+                best_expected, best_seconds = expected, seconds + added + forwards + fixed
         chosen = [0] * len(requests)
         gains: list[list[float]] = [[] for _ in requests]
-        for gain, i in sorted(candidates, key=lambda c: -c[0]):
-            if budget <= 0:
-                break
-            extra = cost.marginal_token_cost(tokens) if cost.is_fitted else 0.02
-            if self.method_of(requests[i]) in DEVICE_PROPOSERS and chosen[i] + 1 > draft_positions:
-                extra += draft_cost
-            if gain * seconds <= extra * expected:
-                break
+        for gain, i in order[:best]:
             chosen[i] += 1
             gains[i].append(gain)
-            if self.method_of(requests[i]) in DEVICE_PROPOSERS:
-                draft_positions = max(draft_positions, chosen[i])
-            expected += gain
-            seconds += extra
-            tokens += 1
-            budget -= 1
+        expected, seconds, budget = best_expected, best_seconds, budget - best
         edge = 1.0
-        if any(chosen) and not already_spec:
-            seconds += spec_cost  # the first draft makes this a verify step
+        if best and not already_spec:
             edge = (expected / seconds) / (plain_expected / plain_seconds)
             explore = cost.is_fitted and edge < EXPLORE_MARGIN and cost.plain_support(plain_tokens) < EXPLORE_BELOW
-            error = cost.calibration.relative_error if cost.calibration.num_steps else 0.0
-            margin = min(max(error, MIN_EDGE), MAX_EDGE)
+            margin = self.required_edge()
             if edge <= 1.0 + margin or explore:
                 self.num_explored += edge > 1.0 + margin
                 budget += sum(chosen)
@@ -451,6 +515,14 @@ class SpecPolicy:
             self._state_for(requests[i]).plan_gains = [g / share for g in gains[i]] if chosen[i] else []
         predicted = seconds + prefill_seconds if cost.is_fitted else None
         return StepPlan(expected, predicted, len(requests), edge), budget
+
+    def required_edge(self) -> float:
+        """By how much a verify step's predicted tokens per second must beat the plain step's."""
+        shortfall = self.edge_check.shortfall
+        if shortfall is None:  # too little seen: the cost model's recent per-step error
+            calibration = self.cost.calibration
+            shortfall = calibration.relative_error if calibration.num_steps else 0.0
+        return min(max(shortfall, MIN_EDGE), MAX_EDGE)
 
     def _probe_interval(self, requests: list[Request], num_probes: int, prefill: StepShape) -> float:
         """Plain steps between a row's probes before backoff: `probe_interval`, or more where one
@@ -552,6 +624,12 @@ class SpecPolicy:
         """A finished step: its measured time teaches the cost model; its tokens check the plan."""
         if plan is not None and plan.expected_tokens:
             self.tokens.add(plan.expected_tokens, emitted, plan.num_rows)
+        if self.cost.is_fitted:  # the time predicted for the step as it ran, before learning from it
+            predicted = self.cost.predict(shape)
+            if not shape.is_spec:
+                self.edge_check.add_plain(predicted, seconds)
+            elif plan is not None and plan.edge > 1.0 and plan.expected_tokens:  # auto chose to verify
+                self.edge_check.add_spec(plan.expected_tokens, emitted, predicted, seconds)
         self.cost.observe(shape, seconds)
 
     def free(self, request_id: str) -> None:
@@ -629,6 +707,7 @@ class SpecPolicy:
             "cost_model": self.cost.summary(),
             "expected_tokens_per_step": round(t.expected / t.num_steps, 3) if t.num_steps else None,
             "gain_scale": round(t.scale, 3),
+            "required_edge": round(self.required_edge(), 3),
             "plain_steps_explored": self.num_explored,
             "emitted_tokens_per_step": round(t.emitted / t.num_steps, 3) if t.num_steps else None,
             "recent_acceptance_by_proposer": {

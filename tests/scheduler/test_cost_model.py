@@ -75,3 +75,21 @@ def test_a_batch_that_never_changes_size_still_gives_a_sane_model():
     assert model.predict(StepShape(8, 2000)) == pytest.approx(0.040, rel=0.02)
     assert 0 <= model.marginal_token_cost(8) < 0.040 / 8
     assert model.predict(StepShape(64, 2000)) > model.predict(StepShape(8, 2000)) * 0.9
+
+
+def test_what_a_draft_adds_follows_a_curve_that_is_not_convex():
+    """A step that jumps from one token to two and then barely rises (an AVX2 CPU in
+    float32): the rise over a whole draft is what the steps showed, not the first
+    token's slope times the draft's length."""
+
+    def jump(s: StepShape) -> float:
+        return 0.1 + (0.08 if s.num_tokens >= 2 else 0.0) + 0.001 * s.num_tokens
+
+    model = StepCostModel()
+    for _ in range(40):
+        for t in (1, 2, 3, 4, 6, 8, 12, 16):
+            model.observe(StepShape(t), jump(StepShape(t)))
+    for start, extra in ((1, 1), (1, 7), (2, 6), (4, 8)):
+        rise = jump(StepShape(start + extra)) - jump(StepShape(start))
+        assert model.added_tokens_cost(start, extra) == pytest.approx(rise, rel=0.25, abs=3e-3)
+    assert model.added_tokens_cost(1, 7) < 7 * model.added_tokens_cost(1, 1) / 3

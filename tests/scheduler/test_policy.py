@@ -95,12 +95,14 @@ def test_cost_model_weighs_the_steps_real_cost():
             policy.observe(r, 4, 2)  # alpha ~ 0.6
     assert sum(decide(cheap, batch)) >= 8
     assert sum(decide(costly, batch)) == 0
-    # A slow draft model makes every draft position cost more than it returns.
-    slow = trained(linear(1.0, 0.01, draft=0.5), drafts=(0, 1, 2, 4))
-    slow_draft = SpecPolicy(SpecConfig(num_speculative_tokens=8), "draft_model", cost=slow)
-    for r in batch:
-        slow_draft.observe(r, 4, 2)
-    assert sum(decide(slow_draft, batch)) == 0
+    # A draft model's forward serves every row's draft at that position: at half a plain
+    # step it pays for the four rows together; at three plain steps it does not.
+    for forward, drafts in ((0.5, True), (3.0, False)):
+        model = trained(linear(1.0, 0.01, draft=forward), drafts=(0, 1, 2, 4))
+        draft_model = SpecPolicy(SpecConfig(num_speculative_tokens=8), "draft_model", cost=model)
+        for r in batch:
+            draft_model.observe(r, 4, 2)
+        assert (sum(decide(draft_model, batch)) > 0) == drafts
 
 
 def test_fixed_spec_cost_keeps_weak_drafts_off():
@@ -389,6 +391,61 @@ def test_the_plans_are_checked_against_what_they_realised():
     for _ in range(100):
         calibration.add(expected=4.0, emitted=4.0, num_rows=4)  # plain steps say nothing about drafts
     assert calibration.scale == 0.5
+
+
+def test_a_draft_whose_first_token_is_dear_and_the_rest_cheap_is_taken_whole():
+    """A step's cost that jumps from one token to two and then stays flat (an
+    AVX2 CPU in float32: matrix-vector products at one token, a slower kernel
+    from two): no single first token pays at batch 1, a 6-token draft does."""
+
+    def jump(s: StepShape) -> float:
+        return 0.1 + (0.08 if s.num_tokens >= 2 else 0.0) + 0.001 * s.num_tokens
+
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(jump, tokens=(1, 2, 3, 4, 6, 8, 9)))
+    row = req("r0")
+    for _ in range(4):
+        policy.observe(row, 8, 5)  # ~0.8 per position
+    ks, plan = policy.decide([row], [16], 256)
+    assert ks[0] >= 6 and plan.edge > 1.2
+
+
+def test_a_fit_that_prices_the_step_at_zero_does_not_stop_the_engine():
+    """Early in a run the fit can predict 0 s for a small step (its level is free to go
+    there): the policy still plans, it does not divide by the step's time."""
+    cost = trained(linear(0.05, 0.002))
+    cost.coef = cost.coef * 0.0  # what such a fit predicts for every shape
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=4), "ngram", cost=cost)
+    batch = [req(f"r{i}") for i in range(3)]
+    ks, plan = policy.decide(batch, [16] * 3, 256)
+    assert len(ks) == 3 and plan.expected_tokens >= 3
+
+
+def test_the_edge_a_verify_step_needs_is_its_recent_shortfall_not_the_steps_scatter():
+    """Step times that scatter 30% either way, evenly: the cost model's per-step
+    error is large, but plans that deliver what they predicted need only the
+    floor; plans whose verifies emit a sixth fewer tokens than expected need
+    that much more edge."""
+    from scheduler.policy import MAX_EDGE, MIN_EDGE, StepPlan
+
+    fn = linear(0.05, 0.002, 0.01)
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=4), "ngram", cost=trained(fn))
+    plain, spec = StepShape(16), StepShape(48, 0, True)
+
+    def steps(emitted_spec: float, n: int) -> None:
+        for i in range(n):
+            noise = 1.3 if i % 2 else 0.7
+            policy.observe_step(plain, fn(plain) * noise, StepPlan(16.0, fn(plain)), 16)
+            plan = StepPlan(24.0, fn(spec), num_rows=16, edge=1.2)  # auto chose to verify
+            policy.observe_step(spec, fn(spec) * noise, plan, round(emitted_spec))
+
+    assert policy.edge_check.shortfall is None  # nothing seen yet: the model's per-step error decides
+    steps(24, 4)
+    assert policy.required_edge() == pytest.approx(min(max(policy.cost.calibration.relative_error, MIN_EDGE), MAX_EDGE))
+    steps(24, 200)
+    assert policy.cost.calibration.relative_error > 0.2
+    assert policy.required_edge() == pytest.approx(MIN_EDGE)
+    steps(20, 400)
+    assert policy.required_edge() == pytest.approx(24 / 20 - 1, abs=0.03)
 
 
 def test_a_plain_step_it_has_not_seen_lately_is_measured_once_before_speculating_on():
