@@ -18,6 +18,7 @@ queue to be recomputed from its tokens; its client only sees a pause.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from scheduler.types import (
     ScheduledRow,
     StepOutput,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
@@ -236,7 +239,11 @@ class Scheduler:
             num_tokens=sum(len(p.token_ids) for p in prefills),
             num_context=sum(p.start_pos + len(p.token_ids) for p in prefills),
         )
-        ks, self.last_plan = self.policy.decide(decoding, caps, budget, len(self.running), prefill)
+        try:
+            ks, self.last_plan = self.policy.decide(decoding, caps, budget, len(self.running), prefill)
+        except Exception:  # noqa: BLE001 - speculation only speeds a step up: a policy fault must not stop it
+            logger.exception("speculation policy failed; this step runs plain")
+            ks, self.last_plan = [0] * len(decoding), None
         for request, k in zip(decoding, ks):
             if k and not self._grow(request, request.num_computed_tokens + 1 + k):
                 # No blocks for every draft: draft what the request's blocks hold (never preempt for drafts).

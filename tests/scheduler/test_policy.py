@@ -376,6 +376,27 @@ def test_the_operators_cap_is_obeyed_exactly():
     assert len(batch.rows) == 3 and all(r.num_spec_tokens == 4 for r in batch.rows)
 
 
+def test_a_policy_fault_runs_the_step_plain_instead_of_stopping_the_engine():
+    config = SchedulerConfig(max_num_seqs=4, max_model_len=4096, max_num_batched_tokens=1024,
+                             spec=SpecConfig(num_speculative_tokens=4))  # fmt: skip
+    s = Scheduler(config, proposer="ngram")
+    requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=20, temperature=0, speculation=True))
+                for i in range(2)]  # fmt: skip
+    for r in requests:
+        s.add(r)
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("float division by zero")
+
+    s.policy.decide = broken
+    for _ in range(3):
+        batch, _ = s.schedule()
+        assert len(batch.rows) == 2 and all(r.num_spec_tokens == 0 for r in batch.rows)
+        output = fake_step(batch)
+        s.update(batch, output, step_seconds(batch, output))
+    assert all(len(r.output_ids) == 3 for r in requests)  # a prefill, then two plain decode steps
+
+
 def test_the_plans_are_checked_against_what_they_realised():
     """The ratio of accepted drafts to expected ones, over steps that speculated (reported, clipped to [0.5, 2])."""
     from scheduler.policy import TokenCalibration
