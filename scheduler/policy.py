@@ -23,8 +23,8 @@ Rule (documented in README, "How `auto` decides"):
   row's luck to a creative row beside it.
 * The price of a draft token is what it adds to *this* step's time, from a
   model of the step learned online on the running machine
-  (`scheduler.cost_model`): the slope of the step's time in its tokens at this
-  step's size, plus a draft model's forward when the token needs one more.
+  (`scheduler.cost_model`): what a draft's tokens add to the step's time at
+  this step's size, plus a draft model's forward per position drafted.
   Candidate draft positions of all auto rows are ranked by decreasing g;
   each prefix of that ranking is a plan whose rate is its expected tokens
   over its predicted time (the decode rows' time plus what its tokens, the
@@ -300,7 +300,8 @@ class EdgeCheck:
         """Predicted edge over delivered edge, minus one (None: too few steps of either kind)."""
         if self.num_spec < EDGE_CHECK_MIN_STEPS or self.num_plain < EDGE_CHECK_MIN_STEPS:
             return None
-        if min(self.spec_emitted, self.spec_predicted, self.plain_observed) <= 0:
+        if min(self.spec_expected, self.spec_emitted, self.spec_predicted, self.spec_observed,
+               self.plain_predicted, self.plain_observed) <= 0:  # fmt: skip
             return None
         delivered = (self.spec_emitted / self.spec_expected) * (self.spec_predicted / self.spec_observed)
         plain = self.plain_predicted / self.plain_observed
