@@ -125,11 +125,6 @@ class StepCostModel:
     def predict(self, shape: StepShape) -> float:
         return max(float(_features(shape) @ self.coef), 0.0)
 
-    def marginal_token_cost(self, num_tokens: int) -> float:
-        """Seconds one more token adds to a step of `num_tokens` tokens: f's slope
-        there. Plain Python (the policy asks once per candidate draft token)."""
-        return self._slopes[min(_bucket(num_tokens), _NUM_SLOPES - 1)]
-
     def added_tokens_cost(self, num_tokens: int, extra: int) -> float:
         """Seconds `extra` more tokens add to a step of `num_tokens`: f's rise between them.
         Not one slope times `extra`: f need not be convex (on an AVX2 CPU in float32 a
@@ -138,8 +133,8 @@ class StepCostModel:
         (the policy asks once per candidate draft token)."""
         return self._rise(num_tokens + extra) - self._rise(num_tokens)
 
-    def _rise(self, num_tokens: float) -> float:
-        b = min(_bucket(int(num_tokens)), _NUM_SLOPES - 1)
+    def _rise(self, num_tokens: int) -> float:
+        b = min(_bucket(num_tokens), _NUM_SLOPES - 1)
         return self._rises[b] + self._slopes[b] * max(num_tokens - _KNOT_LIST[b], 0.0)
 
     def plain_support(self, num_tokens: int) -> float:

@@ -489,10 +489,10 @@ class SpecPolicy:
                 forwards += draft_cost
             expected += gain
             added = cost.added_tokens_cost(tokens, m) if cost.is_fitted else 0.02 * m
-            rate = expected / (seconds + added + forwards + fixed)
-            if rate > best_rate:
-                best, best_rate = m, rate
-                best_expected, best_seconds = expected, seconds + added + forwards + fixed
+            total = seconds + added + forwards + fixed
+            if expected / total > best_rate:
+                best, best_rate = m, expected / total
+                best_expected, best_seconds = expected, total
         chosen = [0] * len(requests)
         gains: list[list[float]] = [[] for _ in requests]
         for gain, i in order[:best]:

@@ -47,10 +47,10 @@ def test_recovers_a_synthetic_cost_function():
     # Calibration, measured before each step was learned from: about the noise.
     assert model.calibration.relative_error < 0.06
     assert model.calibration.predicted_seconds / model.calibration.observed_seconds == pytest.approx(1.0, abs=0.03)
-    # The slope the policy prices drafts with: close to the true marginal cost where steps were seen.
+    # What one more token adds, as the policy prices drafts: close to the true marginal cost where steps were seen.
     for tokens in (4, 16, 64):
         true_marginal = truth(StepShape(tokens + 1)) - truth(StepShape(tokens))
-        assert model.marginal_token_cost(tokens) == pytest.approx(true_marginal, rel=0.6, abs=2e-4)
+        assert model.added_tokens_cost(tokens, 1) == pytest.approx(true_marginal, rel=0.6, abs=2e-4)
     assert model.draft_forward_cost == pytest.approx(0.006, rel=0.25)
 
 
@@ -73,7 +73,7 @@ def test_a_batch_that_never_changes_size_still_gives_a_sane_model():
     for _ in range(100):
         model.observe(StepShape(8, 2000), 0.040)
     assert model.predict(StepShape(8, 2000)) == pytest.approx(0.040, rel=0.02)
-    assert 0 <= model.marginal_token_cost(8) < 0.040 / 8
+    assert 0 <= model.added_tokens_cost(8, 1) < 0.040 / 8
     assert model.predict(StepShape(64, 2000)) > model.predict(StepShape(8, 2000)) * 0.9
 
 
