@@ -4,7 +4,10 @@ One loop task runs schedule -> execute -> update. `execute` runs in a single
 worker thread so the event loop keeps serving HTTP while the model computes.
 Each request gets an async stream of `RequestOutput`s. A step that fails for
 one request fails only that request: scheduler state changes only in
-`update`, so the other rows simply run again next step.
+`update`, so the other rows simply run again next step. A fault in the loop's
+own bookkeeping (schedule, update) leaves state nothing can trust: the engine
+is then dead, every request in flight ends with an error at once rather than
+hang, new ones are refused, and `/health` says so, so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -20,11 +23,15 @@ from typing import Protocol
 from scheduler.recorder import StepRecorder
 from scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from scheduler.stream import RequestStream
-from scheduler.types import Batch, Request, RequestOutput, StepOutput, StepStats
+from scheduler.types import Batch, FinishReason, Request, RequestOutput, StepOutput, StepStats
 
 logger = logging.getLogger("specd.engine")
 
-__all__ = ["AsyncEngine", "Executor", "QueueFullError", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineDeadError", "Executor", "QueueFullError", "RequestStream"]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on a fault of its own; the process must be restarted."""
 
 
 class Executor(Protocol):
@@ -49,13 +56,15 @@ class AsyncEngine:
         observer: Callable[[StepStats], None] | None = None,
         step_thread: ThreadPoolExecutor | None = None,
         inline: bool = False,
+        on_dead: Callable[[str], None] | None = None,
     ):
         """`step_thread` runs every model step; pass the thread that built the
         model. On CPU, PyTorch's bf16 kernels run far slower once a second
         thread has issued parallel work (measured: 38 instead of 23 ms a
         SmolLM2 step), so one thread should own all torch work. `inline` runs
         steps on the event-loop thread instead, for offline use where that
-        thread built the model and no HTTP needs serving meanwhile."""
+        thread built the model and no HTTP needs serving meanwhile. `on_dead`
+        is told why, should the loop ever stop on a fault of its own."""
         self.executor = executor
         # A proposer that measured its own acceptance (an EAGLE head's held-out record) is
         # where the policy starts its rows, unless the config says otherwise.
@@ -74,6 +83,9 @@ class AsyncEngine:
         self._thread = step_thread or (None if inline else new_step_thread())
         self._task: asyncio.Task | None = None
         self._accepting = True
+        # Why the loop died (a fault outside any one request's step), or None while it runs.
+        self.dead_reason: str | None = None
+        self._on_dead = on_dead
 
     # -- lifecycle --
     async def start(self) -> None:
@@ -85,7 +97,7 @@ class AsyncEngine:
         """Stop admitting, let running requests finish for `timeout` s, abort the rest."""
         self._accepting = False
         deadline = time.monotonic() + timeout
-        while self.scheduler.has_work and time.monotonic() < deadline:
+        while self.dead_reason is None and self.scheduler.has_work and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for request_id in list(self._streams):
             self.abort(request_id)
@@ -108,6 +120,8 @@ class AsyncEngine:
     # -- requests --
     def submit(self, request: Request) -> RequestStream:
         """Queue a request; raises InvalidRequestError or QueueFullError at once."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error ({self.dead_reason})")
         if not self._accepting:
             raise QueueFullError("the server is shutting down")
         self.scheduler.add(request)
@@ -149,6 +163,33 @@ class AsyncEngine:
 
     # -- the loop --
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bookkeeping fault: end every request, not hang them
+            self._die(exc)
+
+    def _die(self, exc: Exception) -> None:
+        logger.critical("engine loop stopped: %r", exc, exc_info=exc)
+        self.dead_reason = f"{type(exc).__name__}: {exc}"
+        self._accepting = False
+        # Straight to the streams: the scheduler's own state is what failed.
+        for request_id, stream in list(self._streams.items()):
+            stream.push(
+                RequestOutput(
+                    request_id,
+                    [],
+                    finished=True,
+                    finish_reason=FinishReason.ERROR,
+                    error=f"the engine stopped: {self.dead_reason}",
+                )
+            )
+        self._streams.clear()
+        if self._on_dead is not None:
+            self._on_dead(self.dead_reason)
+
+    async def _loop(self) -> None:
         while True:
             if not self.scheduler.has_work:
                 self._wakeup.clear()

@@ -134,6 +134,7 @@ class AppState:
     serving: ServingContext | None = None
     engine: AsyncEngine | None = None
     load_error: str | None = None
+    engine_error: str | None = None  # why the engine loop stopped, if it did
     draining: bool = False
     started: float = field(default_factory=time.time)
     step_thread: ThreadPoolExecutor = field(default_factory=new_step_thread)
@@ -150,7 +151,11 @@ class AppState:
                 self.on_fatal()
             return
         engine = AsyncEngine(
-            components.runner, components.scheduler_config, observer=self.metrics.observe, step_thread=self.step_thread
+            components.runner,
+            components.scheduler_config,
+            observer=self.metrics.observe,
+            step_thread=self.step_thread,
+            on_dead=self._engine_died,
         )
         await engine.start()
         self.engine = engine
@@ -176,6 +181,13 @@ class AppState:
             settings.max_num_seqs,
         )
 
+    def _engine_died(self, reason: str) -> None:
+        # Its requests have their errors; /health now answers 503 and the process exits 1,
+        # so a supervisor (Docker, Kubernetes, systemd) restarts a clean one.
+        self.engine_error = reason
+        if self.on_fatal:
+            self.on_fatal()
+
     async def stop_engine(self) -> None:
         self.draining = True
         if self.engine is not None:
@@ -188,7 +200,7 @@ class AppState:
 
 
 def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -> FastAPI:
-    """`on_fatal` is called if the model cannot be loaded (the CLI then exits 1)."""
+    """`on_fatal` is called if the model cannot be loaded or the engine loop dies (the CLI then exits 1)."""
     names = served_names(settings)
     metrics = MetricsObserver(names[0], num_speculative_tokens=settings.resolved_num_speculative_tokens)
     state = AppState(settings=settings, metrics=metrics, names=names, on_fatal=on_fatal)

@@ -262,7 +262,8 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
-    return 1 if app.state.specd.load_error or not server.started else 0
+    state = app.state.specd
+    return 1 if state.load_error or state.engine_error or not server.started else 0
 
 
 # -- generate ----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """OpenAI error objects: every failure leaves as `{"error": {message, type, param, code}}`.
 
 Errors travel as exceptions (`APIError`, or the scheduler's own
-`InvalidRequestError` / `QueueFullError`) until the handlers registered here
+`InvalidRequestError` / `QueueFullError`, the engine's `EngineDeadError`) until the handlers registered here
 turn them into a status code and body. A traceback never reaches a client.
 """
 
@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from scheduler.engine import EngineDeadError
 from scheduler.scheduler import QueueFullError
 from scheduler.types import InvalidRequestError
 
@@ -92,6 +93,8 @@ def to_api_error(exc: Exception) -> APIError:
         return BadRequestError(exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, QueueFullError):
         return ServiceUnavailableError(f"{exc}; retry later", code="queue_full")
+    if isinstance(exc, EngineDeadError):
+        return ServiceUnavailableError(f"{exc}; the server must be restarted", code="engine_dead")
     return EngineError("internal server error", code="internal_error")
 
 
@@ -151,6 +154,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFullError)
     async def _queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
+        return api_error_response(to_api_error(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return api_error_response(to_api_error(exc))
 
     @app.exception_handler(RequestValidationError)

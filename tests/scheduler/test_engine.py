@@ -10,7 +10,7 @@ import torch
 from models.builder import ProposerConfig, build_runner
 from models.loader import ModelConfig, load_model
 from models.runner import RunnerConfig
-from scheduler.engine import AsyncEngine
+from scheduler.engine import AsyncEngine, EngineDeadError
 from scheduler.offline import collect, run_offline
 from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
@@ -206,6 +206,40 @@ def test_a_failing_metrics_observer_never_stops_the_engine(tiny_llama_dir):
 
     result = asyncio.run(main())
     assert result.finish_reason is FinishReason.LENGTH and len(result.token_ids) == 8
+
+
+def test_a_fault_in_the_loops_own_bookkeeping_ends_every_request_instead_of_hanging_them(tiny_llama_dir):
+    """A fault outside any request's step (here `Scheduler.update`) leaves state nothing can
+    trust: every request in flight, running or queued, ends with the reason, new ones are
+    refused, the owner is told, and stopping does not wait for work that can never finish."""
+    target, runner = make_runner(tiny_llama_dir, "ngram", max_num_seqs=2)
+    config = sched_config(target, max_num_seqs=2)
+    deaths: list[str] = []
+
+    async def main():
+        engine = AsyncEngine(runner, config, inline=True, on_dead=deaths.append)
+        update, calls = engine.scheduler.update, []
+
+        def failing_update(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyError("block 17")
+            return update(*args, **kwargs)
+
+        engine.scheduler.update = failing_update
+        await engine.start()
+        requests = greedy_requests(target.tokenizer, "d", n=16)  # 4 requests, 2 running at a time
+        results = await asyncio.wait_for(asyncio.gather(*(collect(engine, r) for r in requests)), 30)
+        with pytest.raises(EngineDeadError, match="block 17"):
+            engine.submit(greedy_requests(target.tokenizer, "late")[0])
+        await asyncio.wait_for(engine.stop(timeout=30), 5)
+        return engine, results
+
+    engine, results = asyncio.run(main())
+    assert not engine.is_running and deaths == ["KeyError: 'block 17'"]
+    for result in results:
+        assert result.finish_reason is FinishReason.ERROR and result.error == "the engine stopped: KeyError: 'block 17'"
+    assert sum(len(r.token_ids) for r in results) > 0  # tokens had streamed before the fault
 
 
 def test_the_policy_starts_from_the_proposers_own_acceptance_record():

@@ -1,4 +1,4 @@
-"""The app without a model (its lifespan never runs): loading state, auth on /metrics, CORS, the playground page."""
+"""The app in process: loading state, auth on /metrics, CORS, the playground page, an engine that dies."""
 
 from __future__ import annotations
 
@@ -76,3 +76,31 @@ async def test_no_playground_leaves_the_root_unrouted():
         for path in ("/", "/playground"):
             reply = await http.get(path)
             assert reply.status_code == 404 and reply.json()["error"]["code"] == "not_found"
+
+
+async def test_an_engine_that_dies_fails_its_requests_reports_dead_and_asks_to_exit(tiny_llama_dir):
+    """The engine loop's own fault (not one request's step): the request in flight gets a
+    500 with the reason, new requests a 503 `engine_dead`, /health and /ready 503, and the
+    CLI's on_fatal is called so the process exits 1 for a supervisor to restart."""
+    exits: list[bool] = []
+    app = create_app(Settings(model=str(tiny_llama_dir), dtype="float32"), on_fatal=lambda: exits.append(True))
+    state = app.state.specd
+    await state.start_engine()  # what the lifespan does, in this test's loop
+    try:
+
+        def broken_update(*args, **kwargs):
+            raise RuntimeError("free list corrupted")
+
+        state.engine.scheduler.update = broken_update
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://specd") as http:
+            body = {"model": str(tiny_llama_dir), "prompt": "Hello", "max_tokens": 8}
+            failed = await http.post("/v1/completions", json=body)
+            assert failed.status_code == 500 and "free list corrupted" in failed.json()["error"]["message"]
+            assert exits == [True]
+            refused = await http.post("/v1/completions", json=body)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+            for path in ("/health", "/ready"):
+                probe = await http.get(path)
+                assert probe.status_code == 503 and probe.json()["status"] == "engine_dead"
+    finally:
+        await state.stop_engine()
