@@ -4,6 +4,7 @@
     python -m benchmarks.engine_bench --section batch --dtypes bfloat16
     python -m benchmarks.engine_bench --section spec --max-tokens 128
     python -m benchmarks.engine_bench --section step --dtypes float32,bfloat16
+    python -m benchmarks.engine_bench --section kernels --dtypes auto   # tuned GEMM layouts vs x @ W^T
     python -m benchmarks.engine_bench --section draft --dtypes auto   # draft head vs n-gram (benchmarks.draft_bench)
     python -m benchmarks.engine_bench --section loop --dtypes auto --max-tokens 64   # auto vs off, on (loop_bench)
 
@@ -28,7 +29,7 @@ from benchmarks.draft_bench import draft_section
 from benchmarks.loop_bench import LoopConfig, loop_section
 from benchmarks.make_draft import make_layer_draft
 from benchmarks.prompts import KINDS
-from benchmarks.step_bench import step_section
+from benchmarks.step_bench import kernel_section, step_section
 
 
 def batch_section(
@@ -138,9 +139,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--section",
-        choices=["batch", "spec", "step", "draft", "loop", "all"],
+        choices=["batch", "spec", "step", "kernels", "draft", "loop", "all"],
         default="all",
-        help="[all: all but draft and loop]",
+        help="[all: all but kernels, draft and loop]",
     )
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to run")
     parser.add_argument("--batch-sizes", default="1,4,8,16")
@@ -179,6 +180,10 @@ def main() -> None:
             text, rec = spec_section(
                 dtype, args.max_tokens, args.model, args.draft_layers, args.device, args.draft_head
             )
+            print(text + "\n", flush=True)
+            records += rec
+        if args.section == "kernels":
+            text, rec = kernel_section(load(dtype, args.model, args.device), dtype)
             print(text + "\n", flush=True)
             records += rec
         if args.section == "draft":

@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.common import table
 from models.builder import ProposerConfig, build_runner
+from models.linear_kernels import STANDARD, install, linear_layers
 from models.loader import LoadedModel
 from models.runner import ModelRunner, RunnerConfig
 from models.transfer import TransferCounter
@@ -200,6 +201,44 @@ def step_section(target: LoadedModel, dtype: str, repeats: int = 7) -> tuple[str
         + table(["case", "ms / step", "host transfers", "device syncs (CUDA)"], rows)
         + "\n\n"
         + table(["ratio", "value", "goal"], ratios)
+    )
+    return text, records
+
+
+def kernel_section(target: LoadedModel, dtype: str, repeats: int = 7) -> tuple[str, list[dict]]:
+    """Step time with the linear layers' tuned GEMM layouts against the standard x @ W^T
+    (models/linear_kernels.py), the two alternating on one runner, median of `repeats` each."""
+    runner = build_runner(target, RunnerConfig(max_num_seqs=NUM_SLOTS, max_model_len=MAX_LEN), ProposerConfig("ngram"))
+    vocab, ctx = target.vocab_size, 300
+    cases = [
+        ("batch 1 decode", [decode_row("d", ctx, 0, vocab, consecutive=True)]),
+        ("batch 1 verify 1+1", [decode_row("a", ctx, 0, vocab, drafts=1, consecutive=True)]),
+        ("batch 1 verify 1+4", [decode_row("b", ctx, 0, vocab, drafts=4, consecutive=True)]),
+        ("batch 1 verify 1+10", [decode_row("c", ctx, 0, vocab, drafts=10, consecutive=True)]),
+        ("batch 4 decode", [decode_row(f"e{i}", ctx, i, vocab) for i in range(4)]),
+        ("batch 4 verify 1+4", [decode_row(f"f{i}", ctx, i, vocab, drafts=4) for i in range(4)]),
+        ("batch 16 decode", [decode_row(f"g{i}", ctx, i, vocab) for i in range(16)]),
+        ("batch 16, 4 rows verify 1+4", [decode_row(f"h{i}", ctx, i, vocab, drafts=4 * (i < 4)) for i in range(16)]),
+        ("batch 16 verify 1+4", [decode_row(f"i{i}", ctx, i, vocab, drafts=4) for i in range(16)]),
+    ]
+    layers, tuned = linear_layers(target.model), target.kernel_table
+    rows, records = [], []
+    for name, case in cases:
+        standard, chosen = [], []
+        for _ in range(repeats):  # alternating, so drift on the machine hits both alike
+            install(layers, STANDARD)
+            standard.append(time_step(runner, case, 1)[0])
+            install(layers, tuned)
+            chosen.append(time_step(runner, case, 1)[0])
+        num_tokens = sum(len(r.token_ids) + r.num_spec_tokens for r in case)
+        a, b = statistics.median(standard), statistics.median(chosen)
+        rows.append([name, num_tokens, a * 1e3, b * 1e3, b / a])
+        records.append(
+            {"dtype": dtype, "case": name, "tokens": num_tokens, "standard_ms": a * 1e3, "tuned_ms": b * 1e3}
+        )
+    install(layers, tuned)
+    text = f"### Linear layouts ({dtype}, median of {repeats}; tuned: {tuned.describe()})\n\n" + table(
+        ["case", "tokens", "ms x @ W^T", "ms tuned", "tuned / standard"], rows
     )
     return text, records
 

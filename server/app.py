@@ -63,6 +63,7 @@ def model_config(settings: Settings) -> ModelConfig:
         cache_dir=settings.cache_dir,
         revision=settings.revision,
         trust_remote_code=settings.trust_remote_code,
+        tune_kernels=settings.tune_kernels,
     )
 
 

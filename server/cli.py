@@ -38,7 +38,9 @@ GENERATE_SETTINGS = (
     "max_model_len", "revision", "trust_remote_code", "log_level",
 )  # fmt: skip
 # Settings that `train-draft` shares with `serve`: which target, loaded how.
-TRAIN_DRAFT_SETTINGS = ("model", "dtype", "device", "cache_dir", "revision", "trust_remote_code", "log_level")
+TRAIN_DRAFT_SETTINGS = (
+    "model", "dtype", "device", "cache_dir", "revision", "trust_remote_code", "tune_kernels", "log_level",
+)  # fmt: skip
 
 
 def _flag_type(annotation: Any) -> dict[str, Any]:

@@ -253,7 +253,8 @@ def test_default_smollm2_gguf_converts_once_then_loads_from_cache(tmp_path, monk
         return model, tokenizer
 
     monkeypatch.setattr(loader, "_gguf_to_hf", spy)
-    cfg = ModelConfig(dtype="float32", device="cpu", cache_dir=tmp_path)
+    # Weights, not kernels: the tuned GEMM layouts would change the last bits of the logits.
+    cfg = ModelConfig(dtype="float32", device="cpu", cache_dir=tmp_path, tune_kernels=False)
     with caplog.at_level(logging.INFO, logger="specd.models"):
         first = load_model(cfg)
         second = load_model(cfg)

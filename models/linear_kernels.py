@@ -1,0 +1,218 @@
+"""Which GEMM layout each linear layer uses, chosen per token count by timing both at load.
+
+A decode or verify step multiplies a few token rows x [M, in] by each weight W
+[out, in]. `F.linear` computes x @ W^T; on CPU its BLAS call for 2-16 rows can
+cost 1.5-2x the 1-row matrix-vector product, which is what made a verify step
+dear and the step's cost non-convex in its tokens. The same product as
+(W @ x^T)^T hands the library the weight as the left operand and, on the
+2-core AVX2 machine this was found on (float32, SmolLM2-135M's shapes), ran
+M = 2-5 in 0.43-0.62 of the time and M = 16-256 in 0.73-0.87; in bfloat16 on
+the same CPU the two were equal. Machines and libraries differ, so nothing is
+assumed: `tune` times both layouts on the model's own weights for a ladder
+of token counts and `install` makes each linear layer use the faster one for
+its step's M. The choice changes only the order of floating-point sums, as a
+different batch composition does; CUDA keeps cuBLAS's own choice.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger("specd.models")
+
+# Token counts timed; a step of M tokens takes the choice of the largest rung <= M. Every count
+# up to 32 (decode and verify steps), as BLAS kernels switch at odd sizes (on the AVX2 CPU
+# above, 8 rows ran in 0.89 of the time transposed and 11 in 1.05); past the last rung (long
+# prefill chunks) the standard layout runs.
+RUNGS = (*range(1, 33), 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+# Weights timed per pass: enough bytes that they stream from memory as in a real step, not
+# from cache (a few layers of a small model; all of a tiny one).
+SAMPLE_BYTES = 64 << 20
+REPEATS = 3
+# The transposed layout must beat the standard one by this much: a tie is not worth a change.
+MIN_GAIN = 0.05
+
+
+STANDARD_LAYOUT, TRANSPOSED, PADDED = 0, 1, 2  # x @ W^T; (W @ x^T)^T; one row computed as two, transposed
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """Per rung of `RUNGS`, the layout that runs and its time relative to x @ W^T."""
+
+    layouts: tuple[int, ...] = ()
+    ratios: tuple[float, ...] = ()
+    seconds: float = 0.0  # what tuning took
+
+    def __post_init__(self) -> None:
+        # Plain list lookup per call: the dispatch runs once per linear layer per step.
+        object.__setattr__(self, "_by_tokens", [self._choose(m) for m in range(RUNGS[-1] + 1)])
+
+    def _choose(self, num_tokens: int) -> int:
+        if not self.layouts or num_tokens < 1:
+            return STANDARD_LAYOUT
+        return self.layouts[bisect.bisect_right(RUNGS, num_tokens) - 1]
+
+    def layout(self, num_tokens: int) -> int:
+        return self._by_tokens[num_tokens] if num_tokens <= RUNGS[-1] else STANDARD_LAYOUT  # type: ignore[attr-defined]
+
+    def describe(self) -> str:
+        """The table as one log line: runs of token counts sharing a layout."""
+        if not self.layouts:
+            return "x @ W^T everywhere (not tuned)"
+        names = {STANDARD_LAYOUT: "x @ W^T", TRANSPOSED: "(W @ x^T)^T", PADDED: "(W @ [x; x]^T)^T"}
+        parts, i = [], 0
+        while i < len(RUNGS):
+            j = i
+            while j + 1 < len(RUNGS) and self.layouts[j + 1] == self.layouts[i]:
+                j += 1
+            last = RUNGS[j + 1] - 1 if j + 1 < len(RUNGS) else RUNGS[-1]
+            text = f"{RUNGS[i]}-{last} tokens: {names[self.layouts[i]]}"
+            if self.layouts[i] != STANDARD_LAYOUT:
+                ratios = self.ratios[i : j + 1]
+                text += f" ({min(ratios):.2f}-{max(ratios):.2f} of the time)"
+            parts.append(text)
+            i = j + 1
+        return f"{'; '.join(parts)}; x @ W^T above {RUNGS[-1]} (tuned in {self.seconds:.1f}s)"
+
+
+STANDARD = KernelTable()
+
+
+class TunedLinear(nn.Linear):
+    """An `nn.Linear` whose product layout follows a `KernelTable` (same weights, same state dict)."""
+
+    kernel_table: KernelTable = STANDARD
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layout = self.kernel_table.layout(x.numel() // self.in_features)
+        if layout == STANDARD_LAYOUT:
+            return F.linear(x, self.weight, self.bias)
+        return transposed_linear(x, self.weight, self.bias, padded=layout == PADDED)
+
+
+def transposed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padded: bool = False
+) -> torch.Tensor:
+    """x @ W^T + b computed as (W @ x^T)^T, contiguous like F.linear's output. `padded` (one
+    row only) multiplies the row twice and keeps one: where a 2-column GEMM beats the 1-row
+    matrix-vector kernel, as it did on the AVX2 CPU above (0.73 of the time)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if padded:
+        out = torch.mm(weight, rows.repeat(2, 1).t())[:, :1].t().contiguous()
+    else:
+        out = torch.mm(weight, rows.t()).t().contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_layers(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+# Seconds one pass took: timer(pass, layout, tokens) runs the pass once.
+Timer = Callable[[Callable[[], object], int, int], float]
+
+
+def wall_seconds(fn: Callable[[], object], layout: int, num_tokens: int) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+@torch.inference_mode()
+def tune(layers: list[nn.Linear], timer: Timer = wall_seconds) -> KernelTable:
+    """Time both layouts over a sample of `layers`' weights at every rung; the median of
+    `REPEATS` interleaved passes decides."""
+    started = time.perf_counter()
+    sample = _sample(layers)
+    if not sample:
+        return STANDARD
+    weight = sample[0].weight
+    inputs = {
+        n: torch.randn(RUNGS[-1], n, dtype=weight.dtype, device=weight.device)
+        for n in {layer.in_features for layer in sample}
+    }
+    layouts, ratios = [], []
+    for m in RUNGS:
+        rows = {n: x[:m] for n, x in inputs.items()}
+        candidates = (TRANSPOSED, PADDED) if m == 1 else (TRANSPOSED,)
+
+        def run(layout: int, rows=rows) -> Callable[[], None]:
+            def passes() -> None:
+                for w in sample:
+                    x = rows[w.in_features]
+                    if layout == STANDARD_LAYOUT:
+                        F.linear(x, w.weight, w.bias)
+                    else:
+                        transposed_linear(x, w.weight, w.bias, padded=layout == PADDED)
+
+            return passes
+
+        runs = {layout: run(layout) for layout in (STANDARD_LAYOUT, *candidates)}
+        for fn in runs.values():
+            fn()  # warm every kernel up
+        times: dict[int, list[float]] = {layout: [] for layout in runs}
+        for _ in range(REPEATS):  # interleaved, so a slow moment hurts every layout alike
+            for layout, fn in runs.items():
+                times[layout].append(timer(fn, layout, m))
+        median = {layout: statistics.median(t) for layout, t in times.items()}
+        best = min(candidates, key=median.__getitem__)
+        ratio = median[best] / max(median[STANDARD_LAYOUT], 1e-12)
+        chosen = best if ratio < 1.0 - MIN_GAIN else STANDARD_LAYOUT
+        layouts.append(chosen)
+        ratios.append(round(ratio if chosen != STANDARD_LAYOUT else 1.0, 3))
+    return KernelTable(tuple(layouts), tuple(ratios), time.perf_counter() - started)
+
+
+def _sample(layers: Iterable[nn.Linear]) -> list[nn.Linear]:
+    sample, total = [], 0
+    for layer in layers:
+        if total >= SAMPLE_BYTES:
+            break
+        sample.append(layer)
+        total += layer.weight.numel() * layer.weight.element_size()
+    return sample
+
+
+# One table per process for each set of weight shapes, dtype and device: engines built in one
+# process (tests, a draft sharing the target's shapes) then compute alike.
+_TABLES: dict[tuple, KernelTable] = {}
+
+
+def tune_model(model: nn.Module) -> KernelTable:
+    """Tune `model`'s linear layers (CPU only) and make them follow the table; returns it."""
+    layers = linear_layers(model)
+    if not layers or layers[0].weight.device.type != "cpu":
+        return STANDARD
+    weight = layers[0].weight
+    key = (
+        weight.dtype,
+        torch.get_num_threads(),
+        tuple(sorted({(m.out_features, m.in_features) for m in layers})),
+    )
+    table = _TABLES.get(key)
+    if table is None:
+        logger.info("timing the linear layers' GEMM layouts (--no-tune-kernels skips this)")
+        table = _TABLES[key] = tune(layers)
+        logger.info("linear kernels: %s", table.describe())
+    install(layers, table)
+    return table
+
+
+def install(layers: Iterable[nn.Linear], table: KernelTable) -> None:
+    for layer in layers:
+        if type(layer) is nn.Linear:
+            layer.__class__ = TunedLinear
+        if isinstance(layer, TunedLinear):
+            layer.kernel_table = table
