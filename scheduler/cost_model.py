@@ -5,8 +5,8 @@
 T is the tokens the target computes (prefill chunks, decode tokens, drafts),
 C the keys its rows attend over (sum of context lengths), D the draft model's
 forwards (0 for model-free proposers). f is piecewise linear in T over
-log-spaced knots: a step's cost is not linear in its tokens (on a 2-core CPU
-in float32 a step of 11 tokens cost 2.2x a step of 1 and 16 rows of 1k context
+knots at every count up to 16, then log-spaced: a step's cost is not linear
+in its tokens (on a 2-core CPU in float32 a step of 11 tokens cost 2.2x a step of 1 and 16 rows of 1k context
 cost 164 ms while adding 4 drafts to each cost only 2.7 ms per token more;
 on a GPU f stays flat until the step turns compute-bound). Nothing is tuned
 in advance: the fit is exponentially weighted least squares over recent steps,
@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-KNOTS = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], dtype=np.float64)
+# A knot at every token count up to 16: BLAS kernels switch at odd sizes (on an AVX2 CPU in
+# float32, with the tuned layouts, 9 tokens cost ~1.1x one token and 10 cost ~1.9x), and decode
+# and verify steps of a small batch live there. Then powers of two (24 between 16 and 32).
+KNOTS = np.array(
+    [*range(1, 17), 24, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+    dtype=np.float64,
+)
+# Sizes of plain steps are counted in coarser buckets (`plain_support`): one plain step of
+# 5 tokens also measures one of 6.
+_SUPPORT_KNOTS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0]
 # Parameters: f's level at T = 1, f's slope on each segment between knots (the
 # last one extrapolates), then the per-thousand-keys, verify and draft-forward costs.
 _NUM_SLOPES = len(KNOTS) - 1
@@ -65,8 +74,8 @@ class Calibration:
         self.relative_error = error if self.num_steps == 1 else 0.95 * self.relative_error + 0.05 * error
 
 
-def _bucket(num_tokens: int) -> int:
-    return max(bisect.bisect_right(_KNOT_LIST, num_tokens + 0.5) - 1, 0)
+def _bucket(num_tokens: int, knots: list[float] = _KNOT_LIST) -> int:
+    return max(bisect.bisect_right(knots, num_tokens + 0.5) - 1, 0)
 
 
 def _features(shape: StepShape) -> np.ndarray:
@@ -114,7 +123,7 @@ class StepCostModel:
     _slopes: list[float] = field(default_factory=lambda: [0.0] * _NUM_SLOPES)
     _rises: list[float] = field(default_factory=lambda: [0.0] * _NUM_SLOPES)  # f(knot k) - f(1)
     # Decayed count of recent plain (non-verify) steps per token bucket [knot, next knot).
-    _plain_support: list[float] = field(default_factory=lambda: [0.0] * len(_KNOT_LIST))
+    _plain_support: list[float] = field(default_factory=lambda: [0.0] * len(_SUPPORT_KNOTS))
     num_seen: int = 0
     num_observed: int = 0
 
@@ -138,10 +147,10 @@ class StepCostModel:
         return self._rises[b] + self._slopes[b] * max(num_tokens - _KNOT_LIST[b], 0.0)
 
     def plain_support(self, num_tokens: int) -> float:
-        """How many plain steps of about this size (same knot bucket) the model
+        """How many plain steps of about this size (same power-of-two bucket) the model
         saw recently, decayed at the fit's own rate: below 1, a plain step of
         this size is extrapolated rather than measured."""
-        return self._plain_support[_bucket(num_tokens)]
+        return self._plain_support[_bucket(num_tokens, _SUPPORT_KNOTS)]
 
     def tokens_cost(self, num_tokens: int) -> float:
         return self.predict(StepShape(num_tokens))
@@ -169,7 +178,7 @@ class StepCostModel:
         keep = 1.0 - self.weight
         self._plain_support = [keep * w for w in self._plain_support]
         if not shape.is_spec:
-            self._plain_support[_bucket(shape.num_tokens)] += 1.0
+            self._plain_support[_bucket(shape.num_tokens, _SUPPORT_KNOTS)] += 1.0
         self._xx = keep * self._xx + self.weight * np.outer(x, x)
         self._xy = keep * self._xy + self.weight * x * seconds
         self._mean = seconds if not self.num_observed else keep * self._mean + self.weight * seconds

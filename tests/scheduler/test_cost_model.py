@@ -93,3 +93,21 @@ def test_what_a_draft_adds_follows_a_curve_that_is_not_convex():
         rise = jump(StepShape(start + extra)) - jump(StepShape(start))
         assert model.added_tokens_cost(start, extra) == pytest.approx(rise, rel=0.25, abs=3e-3)
     assert model.added_tokens_cost(1, 7) < 7 * model.added_tokens_cost(1, 1) / 3
+
+
+def test_a_kernel_switch_between_two_token_counts_is_priced_where_it_is():
+    """Flat from 1 to 9 tokens, ~1.9x from 10 (a BLAS switch seen with the tuned GEMM layouts on
+    an AVX2 CPU in float32): a draft that takes a step from 5 to 9 tokens is cheap, to 10 is not."""
+
+    def kernel(s: StepShape) -> float:
+        return (0.055 if s.num_tokens <= 9 else 0.105) + 0.0008 * s.num_tokens
+
+    rng = random.Random(2)
+    model = StepCostModel()
+    for _ in range(600):
+        shape = StepShape(rng.randint(1, 16))
+        model.observe(shape, kernel(shape) * (1 + rng.gauss(0, 0.03)))
+    for tokens in (1, 4, 9, 10, 12, 16):
+        assert model.predict(StepShape(tokens)) == pytest.approx(kernel(StepShape(tokens)), rel=0.08)
+    assert model.added_tokens_cost(5, 4) < 0.01
+    assert model.added_tokens_cost(5, 5) > 0.04
