@@ -69,7 +69,7 @@ def build_runner(
             dtype=str(target.dtype).removeprefix("torch."),
             device=target.device.type,
             cache_dir=model.cache_dir if isinstance(model, ModelConfig) else None,
-            tune_kernels=model.tune_kernels if isinstance(model, ModelConfig) else bool(target.kernel_table.layouts),
+            tune_kernels=bool(target.kernel_table.layouts),  # as the target was
         )
         loaded_draft = load_model(draft_cfg)
         check_draft_compatible(target, loaded_draft)

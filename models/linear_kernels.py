@@ -21,7 +21,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -52,9 +52,11 @@ class KernelTable:
     layouts: tuple[int, ...] = ()
     ratios: tuple[float, ...] = ()
     seconds: float = 0.0  # what tuning took
+    # The layout for every token count up to the last rung: a list lookup per call, as the
+    # dispatch runs once per linear layer per step.
+    _by_tokens: list[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # Plain list lookup per call: the dispatch runs once per linear layer per step.
         object.__setattr__(self, "_by_tokens", [self._choose(m) for m in range(RUNGS[-1] + 1)])
 
     def _choose(self, num_tokens: int) -> int:
@@ -63,7 +65,7 @@ class KernelTable:
         return self.layouts[bisect.bisect_right(RUNGS, num_tokens) - 1]
 
     def layout(self, num_tokens: int) -> int:
-        return self._by_tokens[num_tokens] if num_tokens <= RUNGS[-1] else STANDARD_LAYOUT  # type: ignore[attr-defined]
+        return self._by_tokens[num_tokens] if num_tokens <= RUNGS[-1] else STANDARD_LAYOUT
 
     def describe(self) -> str:
         """The table as one log line: runs of token counts sharing a layout."""
@@ -185,7 +187,7 @@ def _sample(layers: Iterable[nn.Linear]) -> list[nn.Linear]:
     return sample
 
 
-# One table per process for each set of weight shapes, dtype and device: engines built in one
+# One table per process for each dtype, thread count and set of weight shapes (CPU only): engines built in one
 # process (tests, a draft sharing the target's shapes) then compute alike.
 _TABLES: dict[tuple, KernelTable] = {}
 

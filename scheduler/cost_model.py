@@ -6,8 +6,8 @@ T is the tokens the target computes (prefill chunks, decode tokens, drafts),
 C the keys its rows attend over (sum of context lengths), D the draft model's
 forwards (0 for model-free proposers). f is piecewise linear in T over
 knots at every count up to 16, then log-spaced: a step's cost is not linear
-in its tokens (on a 2-core CPU in float32 a step of 11 tokens cost 2.2x a step of 1 and 16 rows of 1k context
-cost 164 ms while adding 4 drafts to each cost only 2.7 ms per token more;
+in its tokens (on a 2-core CPU in float32 a step of 11 tokens cost 2.2x a step
+of 1 and 16 rows of 1k context cost 164 ms while adding 4 drafts to each cost only 2.7 ms per token more;
 on a GPU f stays flat until the step turns compute-bound). Nothing is tuned
 in advance: the fit is exponentially weighted least squares over recent steps,
 with a ridge that keeps f straight where the data says nothing (so knots never
@@ -33,7 +33,7 @@ KNOTS = np.array(
 )
 # Sizes of plain steps are counted in coarser buckets (`plain_support`): one plain step of
 # 5 tokens also measures one of 6.
-_SUPPORT_KNOTS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0]
+_SUPPORT_KNOTS = [float(1 << i) for i in range(15)]  # 1, 2, 4, ..., 16384
 # Parameters: f's level at T = 1, f's slope on each segment between knots (the
 # last one extrapolates), then the per-thousand-keys, verify and draft-forward costs.
 _NUM_SLOPES = len(KNOTS) - 1
