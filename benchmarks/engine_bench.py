@@ -155,6 +155,10 @@ def main() -> None:
     parser.add_argument("--prompts-per-set", type=int, default=6, help="draft section: held-out prompts per set")
     parser.add_argument("--loop-sets", default="extraction,creative", help="loop section: prompt sets, in turn")
     parser.add_argument("--rounds", type=int, default=3, help="loop section: rounds of every mode")
+    parser.add_argument(
+        "--waves", default="3", help="loop section: requests queued per slot, comma-separated (2: the run is half tail)"
+    )
+    parser.add_argument("--loop-modes", default="off,on,auto", help="loop section: speculation modes [off,on,auto]")
     parser.add_argument("--json", type=Path, default=None, help="also write the records here")
     args = parser.parse_args()
 
@@ -201,6 +205,8 @@ def main() -> None:
                 method="eagle" if args.draft_head else "ngram",
                 draft_head=str(args.draft_head) if args.draft_head else None,
                 num_speculative_tokens=5 if args.draft_head else 10,
+                waves=tuple(int(x) for x in args.waves.split(",")),
+                modes=tuple(args.loop_modes.split(",")),
             )
             text, rec = loop_section(load(dtype, args.model, args.device), dtype, loop)
             print(text + "\n", flush=True)

@@ -2,9 +2,10 @@
 
     python -m benchmarks.engine_bench --section loop --dtypes auto
     python -m benchmarks.engine_bench --section loop --loop-sets extraction,creative --batch-sizes 4,16 --rounds 3
+    python -m benchmarks.engine_bench --section loop --loop-sets creative --waves 2,8 --loop-modes off,auto
 
-n requests run at once out of 3n queued (a finished request's slot goes to the
-next one at the following step), chat prompts from `benchmarks/prompt_sets`
+n requests run at once out of `waves` x n queued (a finished request's slot goes
+to the next one at the following step), chat prompts from `benchmarks/prompt_sets`
 taken in turn from each set, greedy, `ignore_eos`, so every mode emits the
 same tokens. Each mode runs on a fresh engine (the policy starts cold, as a
 new server would); modes are interleaved within a round, their order rotated
@@ -12,10 +13,19 @@ between rounds, and a ratio is the median over rounds of the ratio measured
 inside one round, since this machine's speed drifts by 10-30% over minutes.
 Per mode: tok/s, engine steps, rows per step (the batch's mean occupancy),
 draft tokens and accepted ones.
+
+Drift that large hides a 5% difference, so every step's shape (tokens, keys,
+verify or not, draft forwards) and time are also recorded, one step-cost model
+(`scheduler.cost_model`, the one the policy learns) is fitted to the steps of
+all modes and rounds of a batch size together, and each run is priced by it:
+"modeled" seconds are what the run's steps cost on one machine at one speed.
+Its ratios do not drift; they are as good as that model's fit, which the table
+shows per mode (modeled over measured seconds).
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,9 +36,10 @@ from benchmarks.serve_bench import load_prompts
 from models.builder import ProposerConfig, build_runner
 from models.loader import LoadedModel
 from models.runner import ModelRunner, RunnerConfig
+from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.offline import run_offline
 from scheduler.policy import SpecConfig
-from scheduler.scheduler import SchedulerConfig
+from scheduler.scheduler import SchedulerConfig, step_shape
 from scheduler.types import Batch, Request, SamplingParams, StepOutput
 
 MODES: dict[str, Literal["auto", True, False]] = {"off": False, "on": True, "auto": "auto"}
@@ -43,15 +54,18 @@ class LoopConfig:
     method: str = "ngram"
     draft_head: str | None = None
     num_speculative_tokens: int = 10
+    waves: tuple[int, ...] = (3,)  # requests queued per slot: few make the run mostly its tail
+    modes: tuple[str, ...] = tuple(MODES)
 
 
 class CountingExecutor:
-    """The runner, counting steps and the rows they carried."""
+    """The runner, counting steps and the rows they carried, and recording each step's shape and time."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.steps = 0
         self.rows = 0
+        self.timed: list[tuple[StepShape, float]] = []
 
     def __getattr__(self, name: str):
         # Everything else the engine asks of its executor (proposer name, draft previews,
@@ -59,10 +73,24 @@ class CountingExecutor:
         return getattr(self.runner, name)
 
     def execute(self, batch: Batch) -> StepOutput:
+        start = time.perf_counter()
+        output = self.runner.execute(batch)
         if batch.rows:
             self.steps += 1
             self.rows += len(batch.rows)
-        return self.runner.execute(batch)
+            self.timed.append((step_shape(batch, output), time.perf_counter() - start))
+        return output
+
+
+def shared_cost_model(timed: list[tuple[StepShape, float]], seed: int = 0) -> StepCostModel:
+    """One step-cost model fitted to all these steps alike: shuffled, so no run's steps
+    count for more by coming last, and weighted 1/n, so the oldest keep ~1/e of the weight."""
+    steps = list(timed)
+    random.Random(seed).shuffle(steps)
+    model = StepCostModel(weight=1.0 / max(len(steps), 1))
+    for shape, seconds in steps:
+        model.observe(shape, seconds)
+    return model
 
 
 def _prompts(target: LoadedModel, sets: tuple[str, ...], total: int) -> list[list[int]]:
@@ -88,15 +116,40 @@ def _run(runner: ModelRunner, target: LoadedModel, prompts: list[list[int]], n: 
     seconds = time.perf_counter() - start
     return {
         "tps": sum(len(c.token_ids) for c in done) / seconds,
+        "tokens": sum(len(c.token_ids) for c in done),
         "steps": executor.steps,
         "rows_per_step": executor.rows / max(executor.steps, 1),
         "drafted": sum(c.num_draft_tokens for c in done),
         "accepted": sum(c.num_accepted_tokens for c in done),
+        "timed": executor.timed,
     }
 
 
+def _price(runs: dict[str, list[dict]]) -> None:
+    """Add each run's modeled seconds (its steps priced by one model fitted to every run's
+    steps) and the model's fit to that run (modeled over measured step seconds)."""
+    model = shared_cost_model([step for rs in runs.values() for run in rs for step in run["timed"]])
+    for rs in runs.values():
+        for run in rs:
+            timed = run.pop("timed")
+            run["modeled_s"] = sum(model.predict(shape) for shape, _ in timed)
+            run["model_fit"] = run["modeled_s"] / max(sum(seconds for _, seconds in timed), 1e-9)
+
+
+def _ratios(runs: dict[str, list[dict]], faster) -> dict[str, float]:
+    """auto over off, on and the better of the two (faster(a, b): how much faster run a was than
+    run b), the median over rounds of the ratio inside a round."""
+    fixed = [m for m in ("off", "on") if m in runs]
+    if "auto" not in runs or not fixed:
+        return {}
+    rounds = range(len(runs["auto"]))
+    out = {f"auto/{m}": statistics.median(faster(runs["auto"][r], runs[m][r]) for r in rounds) for m in fixed}
+    out["auto/best"] = statistics.median(min(faster(runs["auto"][r], runs[m][r]) for m in fixed) for r in rounds)
+    return out
+
+
 def loop_section(target: LoadedModel, dtype: str, cfg: LoopConfig) -> tuple[str, list[dict]]:
-    modes = list(MODES)
+    modes = list(cfg.modes)
     rows, records = [], []
     for n in cfg.batch_sizes:
         runner = build_runner(
@@ -104,27 +157,29 @@ def loop_section(target: LoadedModel, dtype: str, cfg: LoopConfig) -> tuple[str,
             RunnerConfig(max_num_seqs=n, max_model_len=2048),
             ProposerConfig(cfg.method, draft_head=cfg.draft_head),
         )
-        prompts = _prompts(target, cfg.sets, 3 * n)
-        runs: dict[str, list[dict]] = {m: [] for m in modes}
-        for r in range(cfg.rounds):
-            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-                runs[mode].append(_run(runner, target, prompts, n, mode, cfg))
-        ratios = {
-            "auto/off": statistics.median(a["tps"] / o["tps"] for a, o in zip(runs["auto"], runs["off"])),
-            "auto/on": statistics.median(a["tps"] / o["tps"] for a, o in zip(runs["auto"], runs["on"])),
-            "auto/best": statistics.median(
-                a["tps"] / max(o["tps"], s["tps"]) for a, o, s in zip(runs["auto"], runs["off"], runs["on"])
-            ),
-        }
-        for mode in modes:
-            median = {k: statistics.median(run[k] for run in runs[mode]) for k in runs[mode][0]}
-            rows.append([n, mode, median["tps"], median["steps"], median["rows_per_step"], median["drafted"],
-                         median["accepted"], ratios["auto/best"] if mode == "auto" else None])  # fmt: skip
-            records.append({"dtype": dtype, "sets": list(cfg.sets), "requests": n, "mode": mode, **median,
-                            **(ratios if mode == "auto" else {})})  # fmt: skip
-    headers = ["requests", "mode", "tok/s", "steps", "rows/step", "drafted", "accepted", "auto / better fixed"]
+        for waves in cfg.waves:
+            prompts = _prompts(target, cfg.sets, waves * n)
+            runs: dict[str, list[dict]] = {m: [] for m in modes}
+            for r in range(cfg.rounds):
+                for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                    runs[mode].append(_run(runner, target, prompts, n, mode, cfg))
+            _price(runs)
+            measured = _ratios(runs, lambda a, b: a["tps"] / b["tps"])
+            modeled = _ratios(runs, lambda a, b: b["modeled_s"] / a["modeled_s"])
+            for mode in modes:
+                median = {k: statistics.median(run[k] for run in runs[mode]) for k in runs[mode][0]}
+                is_auto = mode == "auto"
+                rows.append([n, waves, mode, median["tps"], median["modeled_s"], median["steps"],
+                             median["rows_per_step"], median["drafted"], median["accepted"], median["model_fit"],
+                             measured.get("auto/best") if is_auto else None,
+                             modeled.get("auto/best") if is_auto else None])  # fmt: skip
+                records.append({"dtype": dtype, "sets": list(cfg.sets), "requests": n, "waves": waves,
+                                "mode": mode, **median, **(measured if is_auto else {}),
+                                **({f"{k} modeled": v for k, v in modeled.items()} if is_auto else {})})  # fmt: skip
+    headers = ["requests", "waves", "mode", "tok/s", "modeled s", "steps", "rows/step", "drafted", "accepted",
+               "model fit", "auto / better fixed", "modeled: auto / better fixed"]  # fmt: skip
     text = (
         f"### Closed loop ({dtype}, {'+'.join(cfg.sets)}, {cfg.method}, {cfg.max_tokens} tokens, "
-        f"3n requests, median of {cfg.rounds} rounds)\n\n" + table(headers, rows)
+        f"waves x n requests, median of {cfg.rounds} rounds)\n\n" + table(headers, rows)
     )
     return text, records

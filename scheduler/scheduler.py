@@ -391,14 +391,7 @@ class Scheduler:
         return results
 
     def _observe_step(self, batch: Batch, output: StepOutput, seconds: float) -> None:
-        drafts = [out.num_draft_tokens for out in output.rows]
-        device_drafts = [out.num_draft_tokens for out in output.rows if out.method in DEVICE_PROPOSERS]
-        shape = StepShape(
-            num_tokens=sum(len(row.token_ids) for row in batch.rows) + sum(drafts),
-            num_context=sum(row.start_pos + len(row.token_ids) + k for row, k in zip(batch.rows, drafts)),
-            is_spec=any(drafts),
-            num_draft_forwards=max(device_drafts, default=0),
-        )
+        shape = step_shape(batch, output)
         emitted = sum(
             len(out.token_ids)
             for row, out in zip(batch.rows, output.rows)
@@ -488,3 +481,16 @@ class Scheduler:
             num_prediction_rejected=request.num_prediction_rejected,
             stop_token_id=stop_id,
         )
+
+
+def step_shape(batch: Batch, output: StepOutput) -> StepShape:
+    """What the step cost model prices of a step as it ran: the tokens the target computed
+    (drafts included), the keys they attended over, whether it verified, draft forwards."""
+    drafts = [out.num_draft_tokens for out in output.rows]
+    device_drafts = [out.num_draft_tokens for out in output.rows if out.method in DEVICE_PROPOSERS]
+    return StepShape(
+        num_tokens=sum(len(row.token_ids) for row in batch.rows) + sum(drafts),
+        num_context=sum(row.start_pos + len(row.token_ids) + k for row, k in zip(batch.rows, drafts)),
+        is_spec=any(drafts),
+        num_draft_forwards=max(device_drafts, default=0),
+    )
