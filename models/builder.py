@@ -78,6 +78,7 @@ def build_runner(
     if proposer.method == "eagle":
         check_plain_logits(target.model)
         head = load_head(Path(str(proposer.draft_head)), target.model)  # HeadMismatch: made for another model
+        head.use_kernels(target.kernel_table)  # as the target computes
         extra_per_block = EagleProposer.bytes_per_block(head.config, runner.block_size, target.dtype)
     runner.num_kv_blocks = num_kv_blocks(runner, target, extra_per_block)
     if proposer.method == "ngram":

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from models.builder import ProposerConfig, build_runner
 from models.eagle import EagleProposer
 from models.eagle_head import HeadMismatch, held_out_rates, load_head
+from models.linear_kernels import PADDED, RUNGS, STANDARD, STANDARD_LAYOUT, TRANSPOSED, KernelTable, TunedLinear
 from models.loader import ModelConfig, load_model
 from models.runner import ModelRunner, RunnerConfig
 from models.transfer import HostBuffer
@@ -260,6 +261,30 @@ def test_a_failing_head_costs_the_step_its_drafts_never_a_request(tiny_llama_dir
 
 
 # -- building and describing --
+
+
+def test_the_head_computes_with_the_targets_gemm_layouts_and_the_same_drafts(tiny_llama_dir, tiny_llama_head_dir):
+    runner = eagle_runner(tiny_llama_dir, tiny_llama_head_dir)
+    head = runner.proposer.head
+    assert head.kernel_table is runner.target.kernel_table  # what the target was tuned to
+    assert all(isinstance(m, TunedLinear) for m in (head.fc, head.layer.self_attn.q_proj, head.layer.mlp.down_proj))
+
+    # Force each layout: the head's g and draft logits stay those of the standard layout.
+    head = load_head(tiny_llama_head_dir, runner.target.model, attn_implementation="sdpa")  # no cache needed
+    hidden = head.config.hidden_size
+    features, ids = torch.randn(3, hidden), torch.tensor([5, 9, 11])
+    positions = torch.tensor([4, 5, 6])
+    with torch.inference_mode():
+        head.use_kernels(STANDARD)
+        expected_g = head(features, ids, positions)
+        expected = head.draft_logits(expected_g)
+        one = head.draft_logits(expected_g[:1])
+        for layouts in ((TRANSPOSED,) * len(RUNGS), (PADDED,) + (STANDARD_LAYOUT,) * (len(RUNGS) - 1)):
+            head.use_kernels(KernelTable(layouts, (1.0,) * len(RUNGS)))
+            g = head(features, ids, positions)
+            torch.testing.assert_close(g, expected_g, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(head.draft_logits(g), expected, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(head.draft_logits(g[:1]), one, rtol=1e-4, atol=1e-5)
 
 
 def test_a_head_for_another_model_is_refused_with_the_reason(tiny_qwen2_dir, tiny_llama_head_dir):
