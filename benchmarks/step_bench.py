@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.common import table
 from models.builder import ProposerConfig, build_runner
-from models.linear_kernels import STANDARD, KernelTable, install, linear_layers
+from models.linear_kernels import UNTUNED, ModelKernels, install_model
 from models.loader import LoadedModel
 from models.runner import ModelRunner, RunnerConfig
 from models.transfer import TransferCounter
@@ -221,10 +221,10 @@ def kernel_section(target: LoadedModel, dtype: str, repeats: int = 7) -> tuple[s
         ("batch 16, 4 rows verify 1+4", [decode_row(f"h{i}", ctx, i, vocab, drafts=4 * (i < 4)) for i in range(16)]),
         ("batch 16 verify 1+4", [decode_row(f"i{i}", ctx, i, vocab, drafts=4) for i in range(16)]),
     ]
-    layers, tuned = linear_layers(target.model), target.kernel_table
+    tuned = target.kernels
 
-    def once(table: KernelTable, batch: Batch) -> float:
-        install(layers, table)
+    def once(kernels: ModelKernels, batch: Batch) -> float:
+        install_model(target.model, kernels)
         _sync(runner.device)
         start = time.perf_counter()
         runner.execute(batch)
@@ -234,10 +234,10 @@ def kernel_section(target: LoadedModel, dtype: str, repeats: int = 7) -> tuple[s
     rows, records = [], []
     for name, case in cases:
         batch = Batch(rows=case)
-        once(STANDARD, batch), once(tuned, batch)  # warm-up (allocations, kernel selection)
+        once(UNTUNED, batch), once(tuned, batch)  # warm-up (allocations, kernel selection)
         standard, chosen = [], []
         for _ in range(repeats):  # alternating, so drift on the machine hits both alike
-            standard.append(once(STANDARD, batch))
+            standard.append(once(UNTUNED, batch))
             chosen.append(once(tuned, batch))
         num_tokens = sum(len(r.token_ids) + r.num_spec_tokens for r in case)
         a, b = statistics.median(standard), statistics.median(chosen)
@@ -245,7 +245,7 @@ def kernel_section(target: LoadedModel, dtype: str, repeats: int = 7) -> tuple[s
         records.append(
             {"dtype": dtype, "case": name, "tokens": num_tokens, "standard_ms": a * 1e3, "tuned_ms": b * 1e3}
         )
-    install(layers, tuned)
+    install_model(target.model, tuned)
     text = f"### Linear layouts ({dtype}, median of {repeats}; tuned: {tuned.describe()})\n\n" + table(
         ["case", "tokens", "ms x @ W^T", "ms tuned", "tuned / standard"], rows
     )

@@ -69,7 +69,7 @@ def build_runner(
             dtype=str(target.dtype).removeprefix("torch."),
             device=target.device.type,
             cache_dir=model.cache_dir if isinstance(model, ModelConfig) else None,
-            tune_kernels=bool(target.kernel_table.layouts),  # as the target was
+            tune_kernels=target.kernels.is_tuned,  # as the target was
         )
         loaded_draft = load_model(draft_cfg)
         check_draft_compatible(target, loaded_draft)
@@ -78,7 +78,7 @@ def build_runner(
     if proposer.method == "eagle":
         check_plain_logits(target.model)
         head = load_head(Path(str(proposer.draft_head)), target.model)  # HeadMismatch: made for another model
-        head.use_kernels(target.kernel_table)  # as the target computes
+        head.use_kernels(target.kernels)  # as the target computes
         extra_per_block = EagleProposer.bytes_per_block(head.config, runner.block_size, target.dtype)
     runner.num_kv_blocks = num_kv_blocks(runner, target, extra_per_block)
     if proposer.method == "ngram":

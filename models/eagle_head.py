@@ -38,9 +38,9 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from models.kv_cache import text_config
 from models.linear_kernels import (
     PADDED,
-    STANDARD,
     STANDARD_LAYOUT,
-    KernelTable,
+    UNTUNED,
+    ModelKernels,
     install,
     linear_layers,
     transposed_linear,
@@ -177,7 +177,7 @@ class EagleHead(nn.Module):
     embed: nn.Embedding  # the target's (see __init__)
     draft_vocab: torch.Tensor  # [draft_vocab_size] target token ids
     lm_head: torch.Tensor  # [draft_vocab_size, H] the target's output rows for them
-    kernel_table: KernelTable = STANDARD  # GEMM layout per row count (`use_kernels`)
+    kernels: ModelKernels = UNTUNED  # GEMM layout per row count (`use_kernels`)
 
     def __init__(self, config: HeadConfig, embed: nn.Embedding, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor,
                  attn_implementation: str = "sdpa"):  # fmt: skip
@@ -231,18 +231,18 @@ class EagleHead(nn.Module):
         out = out[0] if isinstance(out, tuple) else out
         return out if batched else out[0]
 
-    def use_kernels(self, table: KernelTable) -> None:
+    def use_kernels(self, kernels: ModelKernels) -> None:
         """Compute as the target does (`models.linear_kernels`): the head's layer has the target's
-        layer shapes, so the target's timed table holds for its linear layers and draft logits.
-        A step drafting for n rows sends n rows through each, where on a CPU the standard GEMM
-        layout can cost twice the transposed one."""
-        install(linear_layers(self), table)
-        self.kernel_table = table
+        layer shapes and its draft logits are rows of the target's output projection, so the
+        target's timed tables hold for them. A step drafting for n rows sends n rows through
+        each, where on a CPU the standard GEMM layout can cost twice the transposed one."""
+        install(linear_layers(self), kernels.layers)
+        self.kernels = kernels
 
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, draft_vocab_size] logits over the draft vocabulary (float32)."""
         g = g.to(self.lm_head.dtype)
-        layout = self.kernel_table.layout(g.shape[0])
+        layout = self.kernels.output.layout(g.shape[0])
         if layout == STANDARD_LAYOUT:
             return (g @ self.lm_head.T).float()
         return transposed_linear(g, self.lm_head, None, padded=layout == PADDED).float()

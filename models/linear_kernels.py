@@ -10,8 +10,13 @@ M = 2-5 in 0.43-0.62 of the time and M = 16-256 in 0.73-0.87; in bfloat16 on
 the same CPU the two were equal. Machines and libraries differ, so nothing is
 assumed: `tune` times both layouts on the model's own weights for a ladder
 of token counts and `install` makes each linear layer use the faster one for
-its step's M. The choice changes only the order of floating-point sums, as a
-different batch composition does; CUDA keeps cuBLAS's own choice.
+its step's M. The output projection gets a table of its own: its weight
+([vocab, hidden], 49152 x 576 for SmolLM2, a fifth of a step's bytes) is
+unlike any decoder layer's, and so is its best layout (on the machine above,
+transposed won at every M from 2 to 32, in 0.3-0.8 of the time, where the
+decoder layers tied from 5 to 15 rows). The choice changes only the order of
+floating-point sums, as a different batch composition does; CUDA keeps
+cuBLAS's own choice.
 """
 
 from __future__ import annotations
@@ -35,8 +40,13 @@ logger = logging.getLogger("specd.models")
 # prefill chunks) the standard layout runs.
 RUNGS = (*range(1, 33), 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # Weights timed per pass: enough bytes that they stream from memory as in a real step, not
-# from cache (a few layers of a small model; all of a tiny one).
+# from cache (a few layers of a small model, or the first rows of its output projection; all
+# of a tiny one).
 SAMPLE_BYTES = 64 << 20
+# Past 32 rows the product is compute-bound (on 2 cores a 64 MB pass at 64 rows computes for ~6x
+# what it streams), so a quarter of the sample times it as well, and the ladder to 256, which
+# was most of the tuning time, costs a quarter.
+LADDER_FROM, LADDER_SAMPLE_BYTES = 33, SAMPLE_BYTES // 4
 REPEATS = 3
 # The transposed layout must beat the standard one by this much: a tie is not worth a change.
 MIN_GAIN = 0.05
@@ -90,6 +100,24 @@ class KernelTable:
 STANDARD = KernelTable()
 
 
+@dataclass(frozen=True)
+class ModelKernels:
+    """A model's two tables: its decoder layers' and its output projection's."""
+
+    layers: KernelTable = STANDARD
+    output: KernelTable = STANDARD
+
+    @property
+    def is_tuned(self) -> bool:
+        return bool(self.layers.layouts or self.output.layouts)
+
+    def describe(self) -> str:
+        return f"layers: {self.layers.describe()}; output projection: {self.output.describe()}"
+
+
+UNTUNED = ModelKernels()
+
+
 class TunedLinear(nn.Linear):
     """An `nn.Linear` whose product layout follows a `KernelTable` (same weights, same state dict)."""
 
@@ -132,32 +160,37 @@ def wall_seconds(fn: Callable[[], object], layout: int, num_tokens: int) -> floa
     return time.perf_counter() - started
 
 
+# A weight timed in a pass, and its bias.
+Weight = tuple[torch.Tensor, torch.Tensor | None]
+
+
 @torch.inference_mode()
-def tune(layers: list[nn.Linear], timer: Timer = wall_seconds) -> KernelTable:
+def tune(layers: Iterable[nn.Linear], timer: Timer = wall_seconds) -> KernelTable:
     """Time both layouts over a sample of `layers`' weights at every rung; the median of
     `REPEATS` interleaved passes decides."""
     started = time.perf_counter()
-    sample = _sample(layers)
+    sample = _sample(((layer.weight, layer.bias) for layer in layers), SAMPLE_BYTES)
+    ladder_sample = _sample(sample, LADDER_SAMPLE_BYTES)
     if not sample:
         return STANDARD
-    weight = sample[0].weight
+    weight = sample[0][0]
     inputs = {
-        n: torch.randn(RUNGS[-1], n, dtype=weight.dtype, device=weight.device)
-        for n in {layer.in_features for layer in sample}
+        n: torch.randn(RUNGS[-1], n, dtype=weight.dtype, device=weight.device) for n in {w.shape[1] for w, _ in sample}
     }
     layouts, ratios = [], []
     for m in RUNGS:
         rows = {n: x[:m] for n, x in inputs.items()}
+        timed = sample if m < LADDER_FROM else ladder_sample
         candidates = (TRANSPOSED, PADDED) if m == 1 else (TRANSPOSED,)
 
-        def run(layout: int, rows=rows) -> Callable[[], None]:
+        def run(layout: int, rows=rows, timed=timed) -> Callable[[], None]:
             def passes() -> None:
-                for w in sample:
-                    x = rows[w.in_features]
+                for w, b in timed:
+                    x = rows[w.shape[1]]
                     if layout == STANDARD_LAYOUT:
-                        F.linear(x, w.weight, w.bias)
+                        F.linear(x, w, b)
                     else:
-                        transposed_linear(x, w.weight, w.bias, padded=layout == PADDED)
+                        transposed_linear(x, w, b, padded=layout == PADDED)
 
             return passes
 
@@ -177,13 +210,16 @@ def tune(layers: list[nn.Linear], timer: Timer = wall_seconds) -> KernelTable:
     return KernelTable(tuple(layouts), tuple(ratios), time.perf_counter() - started)
 
 
-def _sample(layers: Iterable[nn.Linear]) -> list[nn.Linear]:
-    sample, total = [], 0
-    for layer in layers:
-        if total >= SAMPLE_BYTES:
+def _sample(weights: Iterable[Weight], budget: int) -> list[Weight]:
+    """The first `budget` bytes of `weights`: whole weights, and the first rows of the one that
+    crosses the budget (a row slice is still a weight of that shape's kind; a view, not a copy)."""
+    sample: list[Weight] = []
+    for w, b in weights:
+        if budget <= 0:
             break
-        sample.append(layer)
-        total += layer.weight.numel() * layer.weight.element_size()
+        rows = max(1, min(w.shape[0], budget // max(w.shape[1] * w.element_size(), 1)))
+        sample.append((w[:rows], None if b is None else b[:rows]))
+        budget -= rows * w.shape[1] * w.element_size()
     return sample
 
 
@@ -192,23 +228,41 @@ def _sample(layers: Iterable[nn.Linear]) -> list[nn.Linear]:
 _TABLES: dict[tuple, KernelTable] = {}
 
 
-def tune_model(model: nn.Module) -> KernelTable:
-    """Tune `model`'s linear layers (CPU only) and make them follow the table; returns it."""
-    layers = linear_layers(model)
+def tune_model(model: nn.Module) -> ModelKernels:
+    """Tune `model`'s decoder layers and its output projection (CPU only), each on its own
+    weights, and make them follow their tables; returns both."""
+    output, layers = _split(model)
     if not layers or layers[0].weight.device.type != "cpu":
-        return STANDARD
+        return UNTUNED
+    logger.info("timing the linear layers' GEMM layouts (--no-tune-kernels skips this)")
+    kernels = ModelKernels(_table(layers), _table([output]) if output is not None else STANDARD)
+    logger.info("linear kernels: %s", kernels.describe())
+    install_model(model, kernels)
+    return kernels
+
+
+def install_model(model: nn.Module, kernels: ModelKernels) -> None:
+    """Make `model`'s decoder layers follow `kernels.layers` and its output projection `kernels.output`."""
+    output, layers = _split(model)
+    install(layers, kernels.layers)
+    if output is not None:
+        install([output], kernels.output)
+
+
+def _split(model: nn.Module) -> tuple[nn.Linear | None, list[nn.Linear]]:
+    """The output projection (None if the model has none as an nn.Linear) and the other linear layers."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
+    output = output if isinstance(output, nn.Linear) else None
+    return output, [m for m in linear_layers(model) if m is not output]
+
+
+def _table(layers: list[nn.Linear]) -> KernelTable:
     weight = layers[0].weight
-    key = (
-        weight.dtype,
-        torch.get_num_threads(),
-        tuple(sorted({(m.out_features, m.in_features) for m in layers})),
-    )
+    key = (weight.dtype, torch.get_num_threads(), tuple(sorted({(m.out_features, m.in_features) for m in layers})))
     table = _TABLES.get(key)
     if table is None:
-        logger.info("timing the linear layers' GEMM layouts (--no-tune-kernels skips this)")
         table = _TABLES[key] = tune(layers)
-        logger.info("linear kernels: %s", table.describe())
-    install(layers, table)
     return table
 
 

@@ -40,7 +40,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from models.linear_kernels import STANDARD, KernelTable, tune_model
+from models.linear_kernels import UNTUNED, ModelKernels, tune_model
 
 logger = logging.getLogger("specd.models")
 
@@ -71,7 +71,7 @@ class ModelConfig:
     cache_dir: Path | None = None  # converted GGUF weights; None: ~/.cache/specd
     revision: str | None = None
     trust_remote_code: bool = False
-    tune_kernels: bool = True  # time the linear layers' two GEMM layouts at load (CPU; linear_kernels.py)
+    tune_kernels: bool = True  # time the linear layers' GEMM layouts at load (CPU; linear_kernels.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -94,7 +94,7 @@ class LoadedModel:
     vocab_size: int  # rows of the output embedding; may exceed len(tokenizer)
     max_position_embeddings: int
     eos_token_ids: list[int]
-    kernel_table: KernelTable = STANDARD  # the GEMM layout its linear layers use per token count
+    kernels: ModelKernels = UNTUNED  # the GEMM layout its linear layers use per token count
 
 
 def default_cache_dir() -> Path:
@@ -156,7 +156,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model, tokenizer = _load_pretrained(_hf_source(cfg.model), model_id, cfg, device, dtype)
     model.eval()
     model.requires_grad_(False)
-    kernel_table = tune_model(model) if cfg.tune_kernels else STANDARD
+    kernels = tune_model(model) if cfg.tune_kernels else UNTUNED
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -166,7 +166,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         vocab_size=model.get_output_embeddings().weight.shape[0],
         max_position_embeddings=_max_positions(model.config),
         eos_token_ids=_eos_token_ids(model, tokenizer),
-        kernel_table=kernel_table,
+        kernels=kernels,
     )
     logger.info(
         "loaded %s in %.1fs (%s, %s, %.1fM params)",

@@ -14,7 +14,16 @@ from transformers import AutoModelForCausalLM
 from models.builder import ProposerConfig, build_runner
 from models.eagle import EagleProposer
 from models.eagle_head import HeadMismatch, held_out_rates, load_head
-from models.linear_kernels import PADDED, RUNGS, STANDARD, STANDARD_LAYOUT, TRANSPOSED, KernelTable, TunedLinear
+from models.linear_kernels import (
+    PADDED,
+    RUNGS,
+    STANDARD_LAYOUT,
+    TRANSPOSED,
+    UNTUNED,
+    KernelTable,
+    ModelKernels,
+    TunedLinear,
+)
 from models.loader import ModelConfig, load_model
 from models.runner import ModelRunner, RunnerConfig
 from models.transfer import HostBuffer
@@ -266,7 +275,7 @@ def test_a_failing_head_costs_the_step_its_drafts_never_a_request(tiny_llama_dir
 def test_the_head_computes_with_the_targets_gemm_layouts_and_the_same_drafts(tiny_llama_dir, tiny_llama_head_dir):
     runner = eagle_runner(tiny_llama_dir, tiny_llama_head_dir)
     head = runner.proposer.head
-    assert head.kernel_table is runner.target.kernel_table  # what the target was tuned to
+    assert head.kernels is runner.target.kernels  # what the target was tuned to
     assert all(isinstance(m, TunedLinear) for m in (head.fc, head.layer.self_attn.q_proj, head.layer.mlp.down_proj))
 
     # Force each layout: the head's g and draft logits stay those of the standard layout.
@@ -275,12 +284,13 @@ def test_the_head_computes_with_the_targets_gemm_layouts_and_the_same_drafts(tin
     features, ids = torch.randn(3, hidden), torch.tensor([5, 9, 11])
     positions = torch.tensor([4, 5, 6])
     with torch.inference_mode():
-        head.use_kernels(STANDARD)
+        head.use_kernels(UNTUNED)
         expected_g = head(features, ids, positions)
         expected = head.draft_logits(expected_g)
         one = head.draft_logits(expected_g[:1])
         for layouts in ((TRANSPOSED,) * len(RUNGS), (PADDED,) + (STANDARD_LAYOUT,) * (len(RUNGS) - 1)):
-            head.use_kernels(KernelTable(layouts, (1.0,) * len(RUNGS)))
+            table = KernelTable(layouts, (1.0,) * len(RUNGS))
+            head.use_kernels(ModelKernels(table, table))
             g = head(features, ids, positions)
             torch.testing.assert_close(g, expected_g, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(head.draft_logits(g), expected, rtol=1e-4, atol=1e-5)

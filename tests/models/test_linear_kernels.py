@@ -11,15 +11,16 @@ from models import linear_kernels
 from models.linear_kernels import (
     PADDED,
     RUNGS,
-    STANDARD,
     STANDARD_LAYOUT,
     TRANSPOSED,
+    UNTUNED,
     KernelTable,
     TunedLinear,
     install,
     linear_layers,
     transposed_linear,
     tune,
+    tune_model,
 )
 from models.loader import ModelConfig, load_model
 
@@ -73,13 +74,17 @@ def test_tuner_keeps_the_faster_layout_per_token_count():
 
 def test_tuned_layers_follow_the_table_and_keep_their_outputs(tiny_llama_dir):
     plain = load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu", tune_kernels=False))
-    assert plain.kernel_table is STANDARD
+    assert plain.kernels is UNTUNED and not plain.kernels.is_tuned
     assert all(type(m) is nn.Linear for m in linear_layers(plain.model))
 
     tuned = load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu"))
     layers = linear_layers(tuned.model)
     assert layers and all(isinstance(m, TunedLinear) for m in layers)
-    assert len(tuned.kernel_table.layouts) == len(RUNGS)
+    kernels = tuned.kernels
+    assert kernels.is_tuned and len(kernels.layers.layouts) == len(kernels.output.layouts) == len(RUNGS)
+    output = tuned.model.get_output_embeddings()
+    assert output.kernel_table is kernels.output
+    assert all(m.kernel_table is kernels.layers for m in layers if m is not output)
     assert tuned.model.state_dict().keys() == plain.model.state_dict().keys()
 
     # Force each layout in turn: the model's logits stay those of the untuned model.
@@ -92,3 +97,54 @@ def test_tuned_layers_follow_the_table_and_keep_their_outputs(tiny_llama_dir):
         install(layers, KernelTable((PADDED,) + (STANDARD_LAYOUT,) * (len(RUNGS) - 1), (1.0,) * len(RUNGS)))
         one = tuned.model(input_ids=ids[:, :1]).logits
         torch.testing.assert_close(one, plain.model(input_ids=ids[:, :1]).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_the_sample_takes_whole_weights_then_the_first_rows_of_the_one_that_crosses_the_budget():
+    layers = [nn.Linear(16, 8), nn.Linear(16, 8, bias=False), nn.Linear(16, 100), nn.Linear(16, 8)]
+    weights = [(m.weight, m.bias) for m in layers]
+    sample = linear_kernels._sample(weights, (2 * 8 * 16 + 3 * 16) * 4)  # float32
+    assert [tuple(w.shape) for w, _ in sample] == [(8, 16), (8, 16), (3, 16)]
+    assert sample[1][1] is None and sample[2][1].shape == (3,)
+    assert sample[2][0].data_ptr() == layers[2].weight.data_ptr()  # a view: nothing copied
+    assert [tuple(w.shape) for w, _ in linear_kernels._sample(sample, 8 * 16 * 4 + 1)] == [(8, 16), (1, 16)]
+
+
+def test_past_32_rows_the_tuner_times_a_quarter_of_the_sample(monkeypatch):
+    """The ladder is compute-bound: its passes run over LADDER_SAMPLE_BYTES, the small rungs over all."""
+    monkeypatch.setattr(linear_kernels, "SAMPLE_BYTES", 4 * 32 * 16 * 4)  # four 32x16 float32 weights
+    monkeypatch.setattr(linear_kernels, "LADDER_SAMPLE_BYTES", 32 * 16 * 4)  # one
+    layers = [nn.Linear(16, 32, bias=False) for _ in range(6)]
+    seen: dict[int, int] = {}
+    original = linear_kernels.transposed_linear
+
+    def counting(x, weight, bias, padded=False):
+        seen[x.shape[0]] = seen.get(x.shape[0], 0) + 1
+        return original(x, weight, bias, padded)
+
+    monkeypatch.setattr(linear_kernels, "transposed_linear", counting)
+    tune(layers, fake_timer(lambda layout, m: 1.0)[0])
+    passes = 1 + linear_kernels.REPEATS  # a warm-up, then the timed repeats
+    assert seen[2] == seen[32] == 4 * passes  # every weight of the sample
+    assert seen[40] == seen[256] == 1 * passes  # the ladder's quarter
+
+
+def test_the_output_projection_is_tuned_on_its_own_weights(tiny_llama_dir, monkeypatch):
+    """Its shape is unlike any decoder layer's, and so is its best layout: it gets its own table."""
+    model = load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu", tune_kernels=False)).model
+    output = model.get_output_embeddings()
+    tuned: list[list[nn.Linear]] = []
+    layers_table = KernelTable((TRANSPOSED,) * len(RUNGS), (0.5,) * len(RUNGS))
+    output_table = KernelTable((STANDARD_LAYOUT,) * len(RUNGS), (1.0,) * len(RUNGS))
+
+    def fake_tune(layers):
+        tuned.append(list(layers))
+        return output_table if layers == [output] else layers_table
+
+    monkeypatch.setattr(linear_kernels, "tune", fake_tune)
+    monkeypatch.setattr(linear_kernels, "_TABLES", {})
+    kernels = tune_model(model)
+    assert kernels.layers is layers_table and kernels.output is output_table
+    assert tuned[1] == [output] and output not in tuned[0] and len(tuned[0]) == len(linear_layers(model)) - 1
+    assert output.kernel_table is output_table
+    assert all(m.kernel_table is layers_table for m in linear_layers(model) if m is not output)
+    assert "output projection: 1-256 tokens: x @ W^T" in kernels.describe()
