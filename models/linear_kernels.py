@@ -13,8 +13,8 @@ of token counts and `install` makes each linear layer use the faster one for
 its step's M. The output projection gets a table of its own: its weight
 ([vocab, hidden], 49152 x 576 for SmolLM2, a fifth of a step's bytes) is
 unlike any decoder layer's, and so is its best layout (on the machine above,
-transposed won at every M from 2 to 32, in 0.3-0.8 of the time, where the
-decoder layers tied from 5 to 15 rows). The choice changes only the order of
+transposed ran M = 2-10 in 0.3-0.65 of the time and 12-32 in 0.8-0.9, where
+the decoder layers tied from 5 to 15 rows). The choice changes only the order of
 floating-point sums, as a different batch composition does; CUDA keeps
 cuBLAS's own choice.
 """
