@@ -101,18 +101,27 @@ def time_step(runner: ModelRunner, rows: list[ScheduledRow], repeats: int) -> tu
     """Median seconds of one step over `repeats` runs, host transfers and device syncs per step."""
     batch = Batch(rows=rows)
     runner.execute(batch)  # warm-up (allocations, kernel selection)
-    times = []
     counter = TransferCounter()
     with counter:
         runner.execute(batch)
     syncs = count_device_syncs(runner, batch)
-    for _ in range(repeats):
-        _sync(runner.device)
-        start = time.perf_counter()
-        runner.execute(batch)
-        _sync(runner.device)
-        times.append(time.perf_counter() - start)
+    times = [execute_seconds(runner, batch) for _ in range(repeats)]
     return statistics.median(times), float(counter.total), syncs
+
+
+def execute_seconds(runner: ModelRunner, batch: Batch) -> float:
+    """One `execute` of `batch`, timed (the device drained before and after)."""
+    _sync(runner.device)
+    start = time.perf_counter()
+    runner.execute(batch)
+    _sync(runner.device)
+    return time.perf_counter() - start
+
+
+def seconds_with(target: LoadedModel, runner: ModelRunner, kernels: ModelKernels, batch: Batch) -> float:
+    """One timed `execute` with the target's linear layers on `kernels`' layouts."""
+    install_model(target.model, kernels)
+    return execute_seconds(runner, batch)
 
 
 @torch.inference_mode()
@@ -222,23 +231,15 @@ def kernel_section(target: LoadedModel, dtype: str, repeats: int = 7) -> tuple[s
         ("batch 16 verify 1+4", [decode_row(f"i{i}", ctx, i, vocab, drafts=4) for i in range(16)]),
     ]
     tuned = target.kernels
-
-    def once(kernels: ModelKernels, batch: Batch) -> float:
-        install_model(target.model, kernels)
-        _sync(runner.device)
-        start = time.perf_counter()
-        runner.execute(batch)
-        _sync(runner.device)
-        return time.perf_counter() - start
-
     rows, records = [], []
     for name, case in cases:
         batch = Batch(rows=case)
-        once(UNTUNED, batch), once(tuned, batch)  # warm-up (allocations, kernel selection)
+        for kernels in (UNTUNED, tuned):  # warm-up (allocations, kernel selection)
+            seconds_with(target, runner, kernels, batch)
         standard, chosen = [], []
         for _ in range(repeats):  # alternating, so drift on the machine hits both alike
-            standard.append(once(UNTUNED, batch))
-            chosen.append(once(tuned, batch))
+            standard.append(seconds_with(target, runner, UNTUNED, batch))
+            chosen.append(seconds_with(target, runner, tuned, batch))
         num_tokens = sum(len(r.token_ids) + r.num_spec_tokens for r in case)
         a, b = statistics.median(standard), statistics.median(chosen)
         rows.append([name, num_tokens, a * 1e3, b * 1e3, b / a])

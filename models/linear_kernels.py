@@ -234,9 +234,9 @@ def tune_model(model: nn.Module) -> ModelKernels:
     output, layers = _split(model)
     if not layers or layers[0].weight.device.type != "cpu":
         return UNTUNED
-    logger.info("timing the linear layers' GEMM layouts (--no-tune-kernels skips this)")
-    kernels = ModelKernels(_table(layers), _table([output]) if output is not None else STANDARD)
-    logger.info("linear kernels: %s", kernels.describe())
+    layers_table = _table(layers, "decoder layers")
+    output_table = _table([output], "output projection") if output is not None else STANDARD
+    kernels = ModelKernels(layers_table, output_table)
     install_model(model, kernels)
     return kernels
 
@@ -257,12 +257,15 @@ def _split(model: nn.Module) -> tuple[nn.Linear | None, list[nn.Linear]]:
     return output, [m for m in linear_layers(model) if m is not output]
 
 
-def _table(layers: list[nn.Linear]) -> KernelTable:
+def _table(layers: list[nn.Linear], role: str) -> KernelTable:
+    """The process's table for these layers' shapes, tuned (and logged) the first time only."""
     weight = layers[0].weight
     key = (weight.dtype, torch.get_num_threads(), tuple(sorted({(m.out_features, m.in_features) for m in layers})))
     table = _TABLES.get(key)
     if table is None:
+        logger.info("timing GEMM layouts for the %s (--no-tune-kernels skips this)", role)
         table = _TABLES[key] = tune(layers)
+        logger.info("linear kernels, %s: %s", role, table.describe())
     return table
 
 

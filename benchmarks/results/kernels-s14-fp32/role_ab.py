@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 sys.path.insert(0, ".")
 
 from benchmarks.common import load  # noqa: E402
-from benchmarks.step_bench import MAX_LEN, NUM_SLOTS, decode_row  # noqa: E402
+from benchmarks.step_bench import MAX_LEN, NUM_SLOTS, decode_row, seconds_with  # noqa: E402
 from models.builder import ProposerConfig, build_runner  # noqa: E402
-from models.linear_kernels import ModelKernels, install_model  # noqa: E402
+from models.linear_kernels import ModelKernels  # noqa: E402
 from models.runner import RunnerConfig  # noqa: E402
 from scheduler.types import Batch  # noqa: E402
 
@@ -36,20 +35,15 @@ def main() -> None:
         ("batch 16 verify 1+4", [decode_row(f"i{i}", ctx, i, vocab, drafts=4) for i in range(16)]),
     ]
 
-    def once(kernels: ModelKernels, batch: Batch) -> float:
-        install_model(target.model, kernels)
-        start = time.perf_counter()
-        runner.execute(batch)
-        return time.perf_counter() - start
-
     print("| case | ms, one table | ms, output projection on its own | ratio |\n|---|---|---|---|")
     for name, rows in cases:
         batch = Batch(rows=rows)
-        once(one, batch), once(own, batch)  # warm-up
+        for kernels in (one, own):  # warm-up
+            seconds_with(target, runner, kernels, batch)
         single, split = [], []
         for _ in range(9):
-            single.append(once(one, batch))
-            split.append(once(own, batch))
+            single.append(seconds_with(target, runner, one, batch))
+            split.append(seconds_with(target, runner, own, batch))
         a, b = statistics.median(single) * 1e3, statistics.median(split) * 1e3
         print(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
 
