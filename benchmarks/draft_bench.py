@@ -12,6 +12,8 @@ verifies that drafted a position, the share whose draft was accepted up to
 and including it), the mean tokens each verify accepted, and where a step's
 time goes: a plain decode step, the drafting of a verify step (host lookup
 for n-gram, the head's K forwards for eagle) and the verify forward itself.
+`eagle auto` is the default server (prompt lookup beside the head, per row);
+`eagle auto, head only` is `--draft-lookup off`.
 """
 
 from __future__ import annotations
@@ -107,18 +109,19 @@ def draft_section(
         ("off", "none", False),
         ("ngram auto", "ngram", "auto"),
         (f"ngram K={k}", "ngram", True),
-        ("eagle auto", "eagle", "auto"),
+        ("eagle auto", "eagle", "auto"),  # with prompt lookup beside the head (the default)
+        ("eagle auto, head only", "eagle-head", "auto"),
         (f"eagle K={k}", "eagle", True),
     ]
     prompt_sets = held_out_prompts(per_set)
     max_len = max(len(chat_ids(target, p)) for ps in prompt_sets.values() for p in ps) + max_tokens + 8
     runners = {
-        method: build_runner(
+        key: build_runner(
             target,
             RunnerConfig(max_num_seqs=1, max_model_len=max_len),
-            ProposerConfig(method, draft_head=str(head_dir) if method == "eagle" else None),
+            ProposerConfig(method, draft_head=str(head_dir) if method == "eagle" else None, lookup=key == method),
         )
-        for method in ("none", "ngram", "eagle")
+        for key, method in (("none", "none"), ("ngram", "ngram"), ("eagle", "eagle"), ("eagle-head", "eagle"))
     }
     rows, records = [], []
     for set_name, prompts in prompt_sets.items():

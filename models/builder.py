@@ -36,6 +36,8 @@ class ProposerConfig:
     ngram_max: int = 4
     suffix_cache_requests: int = SuffixConfig.cache_requests  # 0: per-request trees only
     draft_head: str | None = None  # an EAGLE head directory (`specd train-draft` makes one)
+    # Beside a draft model or head: prompt lookup (n-gram) as a second source, per row.
+    lookup: bool = True
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -98,7 +100,10 @@ def build_runner(
             head.config.draft_vocab_size,
             f"layers {layers} fused" if layers else "last hidden state",
         )
-    return ModelRunner(target, runner, draft)
+    lookup = None
+    if proposer.lookup and isinstance(draft, DeviceProposer):
+        lookup = NgramProposer(proposer.ngram_min, proposer.ngram_max)
+    return ModelRunner(target, runner, draft, lookup)
 
 
 def num_kv_blocks(config: RunnerConfig, target: LoadedModel, extra_per_block: int = 0) -> int:

@@ -4,7 +4,8 @@
 
 Model-free proposers (n-gram, Predicted Outputs) draft on the host while the
 step is prepared; a draft model or an EAGLE head drafts on the device after
-the upload, and its tokens go into the target's input there. For an EAGLE
+the upload, and its tokens go into the target's input there. Beside a device
+proposer, rows the policy gives to prompt lookup draft on the host instead. For an EAGLE
 head the target forward also keeps every token's last hidden state (the
 head's features) in the proposer's feature pool. Every row's new tokens (prefill
 chunk, last token, or last token + drafts) go through the target in one
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +32,7 @@ from models.eagle_head import held_out_rates
 from models.forward import forward_step, forward_with_hidden
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, LayoutPlan
 from models.loader import LoadedModel
-from models.proposers import Draft, PredictionProposer, Proposer
+from models.proposers import Draft, NgramProposer, PredictionProposer, Proposer
 from models.rejection import greedy_verify, rejection_sample
 from models.sampling import (
     STREAM_ACCEPT,
@@ -113,10 +115,14 @@ class ModelRunner:
         target: LoadedModel,
         config: RunnerConfig,
         proposer: Proposer | DeviceProposer | None = None,
+        lookup: NgramProposer | None = None,
     ):
+        """`lookup`: beside a device proposer, prompt lookup for the rows the policy gives it
+        (`ScheduledRow.use_lookup`) and the shadow drafts that teach the policy when to."""
         self.target = target
         self.config = config
         self.proposer = proposer
+        self.lookup = lookup if isinstance(proposer, DeviceProposer) else None
         self.prediction = PredictionProposer()
         self.device = target.device
         self.vocab_size = target.vocab_size
@@ -150,10 +156,25 @@ class ModelRunner:
         head = self.draft_head
         return held_out_rates(head.get("training")) if head else ()
 
+    @property
+    def lookup_drafts(self) -> Callable[[list[Request], list[int]], list[int]] | None:
+        """For the policy: the lengths of the prompt-lookup drafts rows have now; None without lookup."""
+        return self._lookup_lengths if self.lookup is not None else None
+
+    def _lookup_lengths(self, requests: list[Request], num_tokens: list[int]) -> list[int]:
+        assert self.lookup is not None
+        try:
+            return [len(d.token_ids) for d in self.lookup.propose(requests, num_tokens)]
+        except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
+            logger.exception("prompt lookup failed while the step was planned; these rows plan no lookup draft")
+            return [0] * len(requests)
+
     def free(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             if self.proposer:
                 self.proposer.free(request_id)
+            if self.lookup:
+                self.lookup.free(request_id)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
@@ -281,19 +302,25 @@ class ModelRunner:
         with_prediction = [i for i in spec if rows[i].request.prediction_ids]
         plain_spec = [i for i in spec if not rows[i].request.prediction_ids]
         if isinstance(self.proposer, DeviceProposer):
-            return self._run_host(self.prediction, rows, with_prediction, drafts), plain_spec if device_drafting else []
+            self._run_host(self.prediction, rows, with_prediction, drafts)
+            with_lookup = [i for i in plain_spec if rows[i].use_lookup and self.lookup is not None]
+            self._run_host(self.lookup, rows, with_lookup, drafts)
+            on_device = [i for i in plain_spec if not (rows[i].use_lookup and self.lookup is not None)]
+            return drafts, on_device if device_drafting else []
         for index, proposer in ((with_prediction, self.prediction), (plain_spec, self.proposer)):
             if index and proposer is not None:
                 self._run_host(proposer, rows, index, drafts)
         return drafts, []
 
     def _shadow_drafts(self, rows: list[ScheduledRow]) -> dict[int, list[int]]:
-        """Unverified drafts for plain rows the policy wants to learn about (model-free proposers only)."""
+        """Unverified drafts the policy asked for, to learn rows' acceptance at no verify cost: a
+        model-free proposer's (or, beside a device proposer, prompt lookup's)."""
         drafts: list[Draft | None] = [None] * len(rows)
-        want = [i for i, row in enumerate(rows) if row.num_shadow_tokens and row.sample and not row.num_spec_tokens]
+        want = [i for i, row in enumerate(rows) if row.num_shadow_tokens and row.sample]
         with_prediction = [i for i in want if rows[i].request.prediction_ids]
         plain = [i for i in want if not rows[i].request.prediction_ids]
-        for index, proposer in ((with_prediction, self.prediction), (plain, self.proposer)):
+        host = self.lookup if isinstance(self.proposer, DeviceProposer) else self.proposer
+        for index, proposer in ((with_prediction, self.prediction), (plain, host)):
             if index and proposer is not None and not isinstance(proposer, DeviceProposer):
                 self._run_host(proposer, rows, index, drafts, [rows[i].num_shadow_tokens for i in index])
         return {i: d.token_ids for i, d in enumerate(drafts) if d is not None}

@@ -74,7 +74,9 @@ class AsyncEngine:
         self.config = config
         # A runner whose proposer prices its drafts lets the policy see them while it plans.
         preview = getattr(executor, "preview_drafts", None)
-        self.scheduler = Scheduler(config, proposer=executor.proposer_name, preview=preview)
+        # A runner that drafts by prompt lookup beside its draft model or head offers those drafts too.
+        lookup = getattr(executor, "lookup_drafts", None)
+        self.scheduler = Scheduler(config, proposer=executor.proposer_name, preview=preview, lookup=lookup)
         self.recorder = StepRecorder(self.scheduler, observer)
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()

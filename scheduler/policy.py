@@ -55,6 +55,15 @@ Rule (documented in README, "How `auto` decides"):
   prices a round of probes above `probe_budget` (2%) of the plain steps
   between rounds. A due probe takes along every row past half its wait, and
   a step that verifies anyway takes them too, so probes share verify steps.
+* Beside a draft model or an EAGLE head, prompt lookup (n-gram) is a second
+  source a row may draft from (`lookup`: the runner's n-gram drafts available
+  now). Each such row keeps a second set of estimates for its lookup drafts,
+  learned from their verifies and from free shadow drafts graded every step,
+  whatever the row verified. Where the row has a lookup draft this step and
+  its expected accepted tokens are at least the device draft's, the row drafts
+  from the lookup: the tokens are as likely and cost no draft forward. So a
+  row that starts quoting its prompt drafts long copies, the head's rows next
+  to it draft from the head.
 * `spec_disable_batch_size` is the operator's hard cap: with more running
   requests, auto rows run the plain path. None (the default): no cap.
 """
@@ -81,6 +90,10 @@ RECENT_KEEP = 0.98  # weight of history in the peers' rates, per verify or shado
 REALISED_KEEP = 0.9
 REALISED_PRIOR = 2.0
 MAX_PROBE_BACKOFF = 3  # a failing row's probe wait doubles up to probe_interval * 8
+# Lengths of the prompt-lookup drafts (at most k tokens each) there are now for these
+# requests: the second source of rows whose proposer drafts on the device.
+Lookup = Callable[[list[Request], list[int]], list[int]]
+LOOKUP_METHOD = "ngram"
 # Per-token probabilities of the drafts the proposer would make now for these requests (at most
 # k tokens each): the runner's answer to the policy while it plans a step.
 Preview = Callable[[list[Request], list[int]], list[list[float]]]
@@ -121,6 +134,9 @@ class SpecConfig:
     # where a verify step costs much more than a plain one (a CPU at small batches) the
     # wait grows past probe_interval so exploring stays within this share.
     probe_budget: float = 0.02
+    # Most tokens a prompt-lookup draft beside a device proposer may carry, unless the
+    # request sets num_speculative_tokens (a copy is cheap to draft long, unlike a head's).
+    lookup_tokens: int = 10
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= MAX_SPEC_TOKENS:
@@ -256,6 +272,7 @@ class StepPlan:
     predicted_seconds: float | None
     num_rows: int = 0  # decode rows the expectation covers
     edge: float = 1.0  # predicted tokens per second of the chosen step over the plain step's
+    lookup_rows: frozenset[int] = frozenset()  # rows (by index) that draft by prompt lookup
 
 
 @dataclass
@@ -348,9 +365,11 @@ class SpecPolicy:
     cost: StepCostModel = field(default_factory=StepCostModel)
     tokens: TokenCalibration = field(default_factory=TokenCalibration)
     preview: Preview | None = None  # set when the proposer prices its drafts
+    lookup: Lookup | None = None  # set when prompt lookup drafts beside a device proposer
     calibration: ProbabilityCalibration = field(default_factory=ProbabilityCalibration)
     edge_check: EdgeCheck = field(default_factory=EdgeCheck)
     _state: dict[str, AcceptanceState] = field(default_factory=dict)
+    _lookup_state: dict[str, AcceptanceState] = field(default_factory=dict)  # rows' lookup drafts
     _recent: dict[str, PositionCounts] = field(default_factory=dict)  # by proposer method
     num_explored: int = 0  # steps run plain to measure a plain step's cost
 
@@ -365,6 +384,14 @@ class SpecPolicy:
 
     def can_shadow(self, request: Request) -> bool:
         return self.method_of(request) in MODEL_FREE_PROPOSERS
+
+    def uses_lookup(self, request: Request) -> bool:
+        """The row may draft by prompt lookup instead of its device proposer."""
+        return self.lookup is not None and self.method_of(request) in DEVICE_PROPOSERS
+
+    def lookup_k_max(self, request: Request) -> int:
+        k = request.params.num_speculative_tokens
+        return self.config.lookup_tokens if k is None else k
 
     # -- deciding --
     def decide(
@@ -407,17 +434,25 @@ class SpecPolicy:
             auto_rows.append(i)
             if self.preview is not None and self.method_of(request) in PRICED_PROPOSERS:
                 priced.append(i)
+        lookup_gains = self._lookup_gains(requests, [i for i in auto_rows if self.uses_lookup(requests[i])], caps)
+        lookup_rows: set[int] = set()
+        for i in auto_rows:
+            if i in priced:
                 continue
-            gain, share = 1.0, self._realised_share(request)
-            for rate in self._conditional_rates(request, k_max):
-                gain *= rate  # P(draft j+1 accepted) = product of the conditional rates up to it
-                candidates.append((gain * share, i))
+            gains = self._gains(self._state_for(requests[i]), k_maxes[i])
+            if i in lookup_gains and sum(lookup_gains[i]) >= sum(gains):
+                gains = lookup_gains[i]  # as likely, and no draft forwards to pay
+                lookup_rows.add(i)
+            candidates += [(gain, i) for gain in gains]
         candidates += self._priced_candidates(requests, priced, k_maxes)
         budget -= sum(ks)  # forced rows spend the budget first
         if budget < 0:
             ks = _shrink(ks, -budget)
             budget = 0
-        plan, budget = self._choose(requests, candidates, ks, budget, prefill)
+        plan, budget = self._choose(requests, candidates, ks, budget, prefill, frozenset(lookup_rows))
+        plan.lookup_rows = frozenset(i for i in lookup_rows if ks[i])
+        for i in plan.lookup_rows:  # its verify grades the lookup now; a pending shadow would count twice
+            self._state_for(requests[i], lookup=True).shadow = None
         probing = [i for i in auto_rows if not ks[i] and not self.can_shadow(requests[i])]
         interval = self._probe_interval(requests, len(probing), prefill)
         waited = {i: self._probe_wait(requests[i], ks[i], interval) for i in auto_rows}
@@ -431,6 +466,23 @@ class SpecPolicy:
                     budget -= 1
         return ks, plan
 
+    def _gains(self, state: AcceptanceState, k: int) -> list[float]:
+        """Expected extra tokens of each of a row's k draft positions: P(draft j accepted) is the
+        product of the conditional rates up to j, scaled by the row's realised share."""
+        gain, share, gains = 1.0, self._realised_share(state), []
+        for rate in self._rates(state, k):
+            gain *= rate
+            gains.append(gain * share)
+        return gains
+
+    def _lookup_gains(self, requests: list[Request], rows: list[int], caps: list[int]) -> dict[int, list[float]]:
+        """Gains of the prompt-lookup drafts the rows at `rows` have now (rows with none are left out)."""
+        if not rows or self.lookup is None:
+            return {}
+        k_maxes = [min(self.lookup_k_max(requests[i]), caps[i]) for i in rows]
+        lengths = self.lookup([requests[i] for i in rows], k_maxes)
+        return {i: self._gains(self._state_for(requests[i], lookup=True), n) for i, n in zip(rows, lengths) if n > 0}
+
     def _priced_candidates(
         self, requests: list[Request], rows: list[int], k_maxes: list[int]
     ) -> list[tuple[float, int]]:
@@ -440,14 +492,17 @@ class SpecPolicy:
         previews = self.preview([requests[i] for i in rows], [k_maxes[i] for i in rows])
         candidates = []
         for i, probs in zip(rows, previews):
-            self._state_for(requests[i]).draft_probs = probs
-            gain, share = 1.0, self._realised_share(requests[i])
+            state = self._state_for(requests[i])
+            state.draft_probs = probs
+            gain, share = 1.0, self._realised_share(state)
             for p in probs:
                 gain *= self.calibration.rate(p)
                 candidates.append((gain * share, i))
         return candidates
 
-    def _choose(self, requests, candidates, ks, budget, prefill: StepShape) -> tuple[StepPlan, int]:
+    def _choose(
+        self, requests, candidates, ks, budget, prefill: StepShape, lookup_rows: frozenset[int] = frozenset()
+    ) -> tuple[StepPlan, int]:
         """The best prefix of the candidates (by decreasing gain) for the decode rows' tokens per second.
 
         Every prefix is a plan, priced by the step's predicted time with that
@@ -457,14 +512,17 @@ class SpecPolicy:
         rule never drafts at all). The ratio is taken over the decode rows' own
         time: a prefill chunk in the step is paid with or without drafts, and
         counting it would make drafts look cheap exactly when a long prompt
-        arrives; tokens are still priced at the whole step's size.
+        arrives; tokens are still priced at the whole step's size. Rows in
+        `lookup_rows` draft by prompt lookup: no draft forwards.
         """
         forced = sum(ks)
         expected = float(len(requests))  # forced drafts count as gain-free here
         plain_tokens = len(requests) + prefill.num_tokens  # the step without drafts
         tokens = plain_tokens + forced
         already_spec = forced > 0
-        draft_positions = max((k for k, r in zip(ks, requests) if self.method_of(r) in DEVICE_PROPOSERS), default=0)
+        draft_positions = max(
+            (k for i, (k, r) in enumerate(zip(ks, requests)) if self._drafts_on_device(r, i, lookup_rows)), default=0
+        )
         cost = self.cost
         if cost.is_fitted:
             decode_context = sum(r.num_computed_tokens + 1 for r in requests) + forced
@@ -484,7 +542,7 @@ class SpecPolicy:
         forwards = 0.0  # a device proposer's extra forwards, past those the step runs anyway
         for m, (gain, i) in enumerate(order, 1):
             drafted[i] += 1
-            if self.method_of(requests[i]) in DEVICE_PROPOSERS and drafted[i] > draft_positions:
+            if self._drafts_on_device(requests[i], i, lookup_rows) and drafted[i] > draft_positions:
                 draft_positions = drafted[i]
                 forwards += draft_cost
             expected += gain
@@ -512,10 +570,14 @@ class SpecPolicy:
             if k:
                 ks[i] = k
         for i in {i for _, i in candidates}:  # what each row's verify should add, before its share
-            share = self._realised_share(requests[i])
-            self._state_for(requests[i]).plan_gains = [g / share for g in gains[i]] if chosen[i] else []
+            state = self._state_for(requests[i], lookup=i in lookup_rows)
+            share = self._realised_share(state)
+            state.plan_gains = [g / share for g in gains[i]] if chosen[i] else []
         predicted = seconds + prefill_seconds if cost.is_fitted else None
         return StepPlan(expected, predicted, len(requests), edge), budget
+
+    def _drafts_on_device(self, request: Request, row: int, lookup_rows: frozenset[int]) -> bool:
+        return self.method_of(request) in DEVICE_PROPOSERS and row not in lookup_rows
 
     def required_edge(self) -> float:
         """By how much a verify step's predicted tokens per second must beat the plain step's."""
@@ -554,19 +616,30 @@ class SpecPolicy:
         state.plain_steps += 1
         return state.plain_steps / (interval * (1 << state.probe_backoff))
 
-    def wants_shadow(self, request: Request, k: int) -> int:
-        """Shadow draft length for a row that runs plain this step (0: none)."""
-        if k or request.params.speculation is False or not self.can_shadow(request):
+    def wants_shadow(self, request: Request, k: int, lookup: bool = False) -> int:
+        """Shadow draft length for a row this step (0: none): a model-free proposer's for a row
+        that runs plain; a prompt-lookup one for a row beside a device proposer that does not
+        verify a lookup draft (`lookup`), whatever else it verifies."""
+        if request.params.speculation is False:
+            return 0
+        if self.uses_lookup(request):
+            if lookup:
+                return 0
+            state = self._state_for(request, lookup=True)
+            return 0 if state.shadow is not None else self.lookup_k_max(request)
+        if k or not self.can_shadow(request):
             return 0
         state = self._state_for(request)
         return 0 if state.shadow is not None else self.k_max(request)
 
     # -- learning --
-    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """Record a verify step of `request`: the drafts it actually carried, and how many were accepted."""
+    def observe(self, request: Request, num_drafted: int, num_accepted: int, method: str | None = None) -> None:
+        """Record a verify step of `request`: the drafts it actually carried (by `method`, default
+        the row's proposer), and how many were accepted."""
         if num_drafted == 0:
             return
-        state = self._state_for(request)
+        lookup = method == LOOKUP_METHOD and self.uses_lookup(request)
+        state = self._state_for(request, lookup)
         if state.draft_probs:
             self.calibration.add(state.draft_probs[:num_drafted], num_accepted)
         if state.plan_gains:  # the verify the policy planned (not a probe nor a forced draft)
@@ -590,7 +663,7 @@ class SpecPolicy:
         """Grade the row's pending shadow draft (starting `draft_ids` if none) with its emitted
         tokens, a position at a time: each confirmed or refuted position counts at once, so a
         row that starts quoting drafts again a step or two later, not after its whole shadow."""
-        state = self._state_for(request)
+        state = self._state_for(request, lookup=self.uses_lookup(request))
         if state.shadow is None and draft_ids:
             state.shadow = Shadow(list(draft_ids), state.draft_probs[: len(draft_ids)], after_full=state.after_full)
             self._begin_grading(state)
@@ -635,6 +708,7 @@ class SpecPolicy:
 
     def free(self, request_id: str) -> None:
         self._state.pop(request_id, None)
+        self._lookup_state.pop(request_id, None)
 
     # -- estimates --
     def acceptance(self, request_id: str) -> float | None:
@@ -642,9 +716,8 @@ class SpecPolicy:
         state = self._state.get(request_id)
         return None if state is None else self._rates(state, 1)[0]
 
-    def _realised_share(self, request: Request) -> float:
+    def _realised_share(self, state: AcceptanceState) -> float:
         """The share of its planned extra tokens this row's verifies have accepted (at most 1)."""
-        state = self._state_for(request)
         return min((state.realised + REALISED_PRIOR) / (state.planned + REALISED_PRIOR), 1.0)
 
     def _conditional_rates(self, request: Request, k: int) -> list[float]:
@@ -691,10 +764,12 @@ class SpecPolicy:
             return rates[position]
         return self.config.prior_acceptance
 
-    def _state_for(self, request: Request) -> AcceptanceState:
-        state = self._state.get(request.request_id)
+    def _state_for(self, request: Request, lookup: bool = False) -> AcceptanceState:
+        """The row's estimates for its proposer's drafts, or (`lookup`) for its prompt-lookup drafts."""
+        states, method = (self._lookup_state, LOOKUP_METHOD) if lookup else (self._state, self.method_of(request))
+        state = states.get(request.request_id)
         if state is None:
-            state = self._state[request.request_id] = AcceptanceState(self.method_of(request))
+            state = states[request.request_id] = AcceptanceState(method)
         return state
 
     def k_max(self, request: Request) -> int:

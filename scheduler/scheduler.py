@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from scheduler.cost_model import StepShape
 from scheduler.kv_blocks import BlockPool, block_key, blocks_for
-from scheduler.policy import DEVICE_PROPOSERS, Preview, SpecConfig, SpecPolicy, StepPlan
+from scheduler.policy import DEVICE_PROPOSERS, Lookup, Preview, SpecConfig, SpecPolicy, StepPlan
 from scheduler.types import (
     Batch,
     FinishReason,
@@ -89,12 +89,19 @@ class StepCheck:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, proposer: str = "ngram", preview: Preview | None = None):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        proposer: str = "ngram",
+        preview: Preview | None = None,
+        lookup: Lookup | None = None,
+    ):
         """`proposer`: the runner's proposer method ("ngram", "suffix", "draft_model", "eagle" or "none");
-        `preview`: the runner's priced drafts, for a proposer that gives them (see SpecPolicy)."""
+        `preview`: the runner's priced drafts, for a proposer that gives them; `lookup`: the runner's
+        prompt-lookup drafts beside a device proposer, when it has them (see SpecPolicy)."""
         self.config = config
         self.proposer = proposer
-        self.policy = SpecPolicy(config.spec, proposer, preview=preview)
+        self.policy = SpecPolicy(config.spec, proposer, preview=preview, lookup=lookup)
         self.last_plan: StepPlan | None = None
         self.last_check: StepCheck | None = None
         self.waiting: deque[Request] = deque()
@@ -194,8 +201,9 @@ class Scheduler:
         else:
             limit = f", while at most {cap} requests run" if cap is not None else " (no batch-size cap)"
             auto = "decide per request from acceptance and the step's learned cost" + limit
+        lookup = f" (+ prompt lookup, up to {spec.lookup_tokens} tokens)" if self.policy.lookup else ""
         return (
-            f"proposer={self.proposer} num_speculative_tokens={spec.num_speculative_tokens} "
+            f"proposer={self.proposer}{lookup} num_speculative_tokens={spec.num_speculative_tokens} "
             f"adaptive={spec.adaptive}; auto rows {auto}"
         )
 
@@ -244,7 +252,9 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - speculation only speeds a step up: a policy fault must not stop it
             logger.exception("speculation policy failed; this step runs plain")
             ks, self.last_plan = [0] * len(decoding), None
-        for request, k in zip(decoding, ks):
+        lookup_rows = self.last_plan.lookup_rows if self.last_plan else frozenset()
+        for i, (request, k) in enumerate(zip(decoding, ks)):
+            lookup = i in lookup_rows
             if k and not self._grow(request, request.num_computed_tokens + 1 + k):
                 # No blocks for every draft: draft what the request's blocks hold (never preempt for drafts).
                 k = len(request.block_ids) * self.blocks.block_size - request.num_computed_tokens - 1
@@ -255,7 +265,8 @@ class Scheduler:
                     start_pos=request.num_computed_tokens,
                     sample=True,
                     num_spec_tokens=k,
-                    num_shadow_tokens=min(self.policy.wants_shadow(request, k), self._draft_cap(request) + 1),
+                    num_shadow_tokens=min(self.policy.wants_shadow(request, k, lookup), self._draft_cap(request) + 1),
+                    use_lookup=lookup,
                 )
             )
         rows += prefills
@@ -420,7 +431,7 @@ class Scheduler:
         if out.method == "prediction":
             request.num_prediction_accepted += out.num_accepted_tokens
             request.num_prediction_rejected += out.num_draft_tokens - out.num_accepted_tokens
-        self.policy.observe(request, out.num_draft_tokens, out.num_accepted_tokens)
+        self.policy.observe(request, out.num_draft_tokens, out.num_accepted_tokens, out.method)
 
     def _append(self, request: Request, token_ids: list[int]) -> tuple[list[int], int | None]:
         """Append tokens up to a stop token or max_tokens; finish the request if one is hit."""

@@ -210,6 +210,8 @@ class ScheduledRow:
     # anyway, returned unverified (`RowOutput.shadow_ids`) so the policy can
     # learn the row's acceptance at no verify cost.
     num_shadow_tokens: int = 0
+    # The row drafts by prompt lookup (n-gram) instead of the engine's draft model or head.
+    use_lookup: bool = False
 
     @property
     def request_id(self) -> str:
@@ -240,7 +242,8 @@ class RowOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     # Proposer that drafted for this row this step: "ngram", "suffix", "draft_model",
-    # "eagle", "prediction"; None when the row did not speculate.
+    # "eagle", "prediction" ("ngram" beside a device proposer: a lookup row); None when
+    # the row did not speculate.
     method: str | None = None
     error: str | None = None
     # The shadow draft asked for by `ScheduledRow.num_shadow_tokens` (not verified).

@@ -90,6 +90,7 @@ def build_components(settings: Settings) -> Components:
             draft_model=settings.draft_model,
             draft_head=str(head) if (head := settings.resolved_draft_head) else None,
             suffix_cache_requests=settings.suffix_cache_requests if settings.suffix_global == "on" else 0,
+            lookup=settings.draft_lookup == "on",
         ),
     )
     config = runner.config
@@ -109,6 +110,10 @@ def build_components(settings: Settings) -> Components:
         cache_identity=f"{served_names(settings)[0]}:{loaded.dtype}",
         spec=SpecConfig(
             num_speculative_tokens=settings.resolved_num_speculative_tokens,
+            # Set by the operator, K bounds every draft; else lookup drafts keep prompt lookup's own K.
+            lookup_tokens=(
+                SpecConfig.lookup_tokens if settings.num_speculative_tokens is None else settings.num_speculative_tokens
+            ),
             spec_disable_batch_size=settings.spec_disable_batch_size,
             adaptive=settings.spec_adaptive,
         ),

@@ -118,7 +118,8 @@ class Settings(BaseSettings):
         ge=0,
         le=MAX_SPEC_TOKENS,
         description="Draft tokens per verify step (K): exact for speculation=true requests, the ceiling of adaptive K "
-        "for auto ones (default: 10 with ngram, 4 with a draft model, 5 with an EAGLE head).",
+        "for auto ones (default: 10 with ngram, 4 with a draft model, 5 with an EAGLE head; their rows' prompt-lookup "
+        "drafts, --draft-lookup, 10).",
     )
 
     spec_disable_batch_size: int | None = Field(
@@ -137,6 +138,12 @@ class Settings(BaseSettings):
         "on",
         description="--draft suffix: also draft from earlier outputs of the same tenant (the request's cache_salt, "
         "else its user; one tenant's outputs never reach another's drafts); off: each request's own tokens only.",
+    )
+    draft_lookup: Literal["on", "off"] = Field(
+        "on",
+        description="--draft draft_model or eagle: a row may draft by prompt lookup (n-gram) instead, in a step "
+        "where its lookup draft is expected to accept at least as many tokens (learned per request from free "
+        "shadow drafts), so quoting and copying draft long at no draft-forward cost; off: the model or head only.",
     )
     spec_adaptive: bool = Field(True, description="Adapt each request's draft length to its own acceptance history.")
 

@@ -108,6 +108,34 @@ def test_greedy_with_the_head_equals_plain_alone_and_in_mixed_batches(head_runne
         assert alone.token_ids == plain[i]
 
 
+def test_rows_draft_by_lookup_beside_the_head_and_output_stays_exact(tiny_llama_dir, tiny_llama_head_dir):
+    """Auto rows beside a head draft by prompt lookup where their lookup drafts pay (the tiny
+    model falls into loops that lookup copies), in the same forwards as head rows, a plain
+    row and a prediction row; every row's output equals plain decoding."""
+    runner = eagle_runner(tiny_llama_dir, tiny_llama_head_dir)
+    assert runner.lookup is not None and runner.lookup_drafts is not None
+    config, tok = sched_config(runner, num_speculative_tokens=5), runner.target.tokenizer
+    plain = [c.token_ids for c in run_offline(runner, config, greedy(tok, "off", False, n=64))]
+    methods: list[str] = []
+    execute = runner.execute
+
+    def recording(batch: Batch):
+        output = execute(batch)
+        methods.extend(row.method for row in output.rows if row.method)
+        return output
+
+    runner.execute = recording  # type: ignore[method-assign]
+    prediction = plain[3][:12] + [5] * 6 + plain[3][18:]
+    modes = ["auto", False, True, "auto"]
+    mixed = run_offline(runner, config, greedy(tok, "mix", modes, n=64, predictions=[None] * 3 + [prediction]))
+    assert [c.token_ids for c in mixed] == plain
+    assert mixed[1].num_draft_tokens == 0
+    assert {"ngram", "eagle", "prediction"} <= set(methods)
+    auto = run_offline(runner, config, greedy(tok, "auto", "auto", n=64))
+    assert [c.token_ids for c in auto] == plain
+    assert sum(c.num_accepted_tokens for c in auto) > 0
+
+
 def test_sampled_output_is_the_targets_distribution_with_tokens_outside_the_draft_vocabulary(head_runner, tmp_path):
     """Two-sample chi-square on the token at output position 1 (always from a verify step),
     with a head whose draft vocabulary leaves out the two tokens the target samples most
