@@ -1,10 +1,16 @@
 """An online model of one engine step's time, learned on the running machine.
 
-    t = f(T) + c_ctx * C + c_spec * [the step verifies drafts] + c_draft * D
+    t = f(T) + c_ctx * C + c_spec * [the step verifies drafts] + c_draft * D + c_logits * L
 
 T is the tokens the target computes (prefill chunks, decode tokens, drafts),
 C the keys its rows attend over (sum of context lengths), D the draft model's
-forwards (0 for model-free proposers). f is piecewise linear in T over
+forwards (0 for model-free proposers), L the positions the output projection
+computes logits for (every sampling row's last token and drafts; a prefill
+chunk's other tokens get none). L is what separates a verify step from a
+prefill chunk of as many tokens: on SmolLM2 in float32 on 2 cores the output
+projection takes 35 ms for 16 rows and 56 ms for 50, against 14 ms for the
+one row a prefill chunk samples, so a step priced by T alone (learned from
+prefills) came out 26-30% under a 13-50-token verify step's time. f is piecewise linear in T over
 knots at every count up to 16, then log-spaced: a step's cost is not linear
 in its tokens (on a 2-core CPU in float32 a step of 11 tokens cost 2.2x a step
 of 1 and 16 rows of 1k context cost 164 ms while adding 4 drafts to each cost only 2.7 ms per token more;
@@ -35,12 +41,12 @@ KNOTS = np.array(
 # 5 tokens also measures one of 6.
 _SUPPORT_KNOTS = [float(1 << i) for i in range(15)]  # 1, 2, 4, ..., 16384
 # Parameters: f's level at T = 1, f's slope on each segment between knots (the
-# last one extrapolates), then the per-thousand-keys, verify and draft-forward costs.
+# last one extrapolates), then the per-thousand-keys, verify, draft-forward and logits-row costs.
 _NUM_SLOPES = len(KNOTS) - 1
 _LEVEL = 0
 _SLOPES = slice(1, 1 + _NUM_SLOPES)
-_CTX, _SPEC, _DRAFT = 1 + _NUM_SLOPES, 2 + _NUM_SLOPES, 3 + _NUM_SLOPES
-_NUM_FEATURES = 4 + _NUM_SLOPES
+_CTX, _SPEC, _DRAFT, _LOGITS = 1 + _NUM_SLOPES, 2 + _NUM_SLOPES, 3 + _NUM_SLOPES, 4 + _NUM_SLOPES
+_NUM_FEATURES = 5 + _NUM_SLOPES
 _CTX_SCALE = 1e-3  # C is fitted per thousand keys, so all features have similar sizes
 _WIDTHS = np.diff(KNOTS)
 _KNOT_LIST = [float(k) for k in KNOTS]
@@ -55,6 +61,7 @@ class StepShape:
     num_context: int = 0  # C
     is_spec: bool = False
     num_draft_forwards: int = 0  # D
+    num_logits: int = 0  # L
 
 
 @dataclass
@@ -89,6 +96,7 @@ def _features(shape: StepShape) -> np.ndarray:
     x[_CTX] = shape.num_context * _CTX_SCALE
     x[_SPEC] = 1.0 if shape.is_spec else 0.0
     x[_DRAFT] = float(shape.num_draft_forwards)
+    x[_LOGITS] = float(shape.num_logits)
     return x
 
 
@@ -163,6 +171,11 @@ class StepCostModel:
     def draft_forward_cost(self) -> float:
         return max(float(self.coef[_DRAFT]), 0.0)
 
+    @property
+    def logits_cost(self) -> float:
+        """Seconds one more position's logits add (each draft token adds one)."""
+        return max(float(self.coef[_LOGITS]), 0.0)
+
     def observe(self, shape: StepShape, seconds: float) -> None:
         self.num_seen += 1
         if seconds <= 0 or self.num_seen <= _SKIPPED_STEPS:
@@ -227,4 +240,5 @@ class StepCostModel:
             "ms_per_1k_context": round(float(self.coef[_CTX]) * 1e3, 4),
             "ms_spec_step": round(self.spec_cost * 1e3, 3),
             "ms_per_draft_forward": round(self.draft_forward_cost * 1e3, 3),
+            "ms_per_logits_row": round(self.logits_cost * 1e3, 3),
         }

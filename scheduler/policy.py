@@ -526,13 +526,15 @@ class SpecPolicy:
         cost = self.cost
         if cost.is_fitted:
             decode_context = sum(r.num_computed_tokens + 1 for r in requests) + forced
-            decode = StepShape(len(requests) + forced, decode_context, already_spec, draft_positions)
+            decode = StepShape(len(requests) + forced, decode_context, already_spec, draft_positions,
+                               num_logits=len(requests) + forced)  # fmt: skip
             seconds = max(cost.predict(decode), 1e-9)  # an early fit can price a small step at 0
-            whole = replace(decode, num_tokens=tokens, num_context=decode_context + prefill.num_context)
+            whole = replace(decode, num_tokens=tokens, num_context=decode_context + prefill.num_context,
+                            num_logits=decode.num_logits + prefill.num_logits)  # fmt: skip
             prefill_seconds = max(cost.predict(whole) - seconds, 0.0)
-            spec_cost, draft_cost = cost.spec_cost, cost.draft_forward_cost
+            spec_cost, draft_cost, logits_cost = cost.spec_cost, cost.draft_forward_cost, cost.logits_cost
         else:  # nothing measured yet: a memory-bound guess (a token costs 2% of a step)
-            seconds, prefill_seconds, spec_cost, draft_cost = 1.0, 0.0, 0.0, 0.0
+            seconds, prefill_seconds, spec_cost, draft_cost, logits_cost = 1.0, 0.0, 0.0, 0.0, 0.0
         plain_seconds, plain_expected = seconds, expected
         fixed = 0.0 if already_spec else spec_cost  # the first draft makes this a verify step
         order = sorted(candidates, key=lambda c: -c[0])[: max(budget, 0)]
@@ -546,7 +548,8 @@ class SpecPolicy:
                 draft_positions = drafted[i]
                 forwards += draft_cost
             expected += gain
-            added = cost.added_tokens_cost(tokens, m) if cost.is_fitted else 0.02 * m
+            # Each draft token is one more token through the model and one more row of logits.
+            added = cost.added_tokens_cost(tokens, m) + logits_cost * m if cost.is_fitted else 0.02 * m
             total = seconds + added + forwards + fixed
             if expected / total > best_rate:
                 best, best_rate = m, expected / total
@@ -595,8 +598,8 @@ class SpecPolicy:
         if not num_probes or not self.cost.is_fitted:
             return interval
         context = sum(r.num_computed_tokens + 1 for r in requests) + prefill.num_context
-        plain = StepShape(len(requests) + prefill.num_tokens, context)
-        probe = StepShape(plain.num_tokens + num_probes, context + num_probes, True, 1)
+        plain = StepShape(len(requests) + prefill.num_tokens, context, num_logits=len(requests) + prefill.num_logits)
+        probe = StepShape(plain.num_tokens + num_probes, context + num_probes, True, 1, plain.num_logits + num_probes)
         seconds = self.cost.predict(plain)
         premium = self.cost.predict(probe) - seconds
         if seconds <= 0.0 or premium <= 0.0:

@@ -246,6 +246,7 @@ class Scheduler:
         prefill = StepShape(
             num_tokens=sum(len(p.token_ids) for p in prefills),
             num_context=sum(p.start_pos + len(p.token_ids) for p in prefills),
+            num_logits=sum(p.sample for p in prefills),
         )
         try:
             ks, self.last_plan = self.policy.decide(decoding, caps, budget, len(self.running), prefill)
@@ -496,7 +497,8 @@ class Scheduler:
 
 def step_shape(batch: Batch, output: StepOutput) -> StepShape:
     """What the step cost model prices of a step as it ran: the tokens the target computed
-    (drafts included), the keys they attended over, whether it verified, draft forwards."""
+    (drafts included), the keys they attended over, whether it verified, draft forwards,
+    and the positions it computed logits for (a sampling row's last token and drafts)."""
     drafts = [out.num_draft_tokens for out in output.rows]
     device_drafts = [out.num_draft_tokens for out in output.rows if out.method in DEVICE_PROPOSERS]
     return StepShape(
@@ -504,4 +506,5 @@ def step_shape(batch: Batch, output: StepOutput) -> StepShape:
         num_context=sum(row.start_pos + len(row.token_ids) + k for row, k in zip(batch.rows, drafts)),
         is_spec=any(drafts),
         num_draft_forwards=max(device_drafts, default=0),
+        num_logits=sum(1 + k for row, k in zip(batch.rows, drafts) if row.sample),
     )

@@ -10,13 +10,15 @@ from scheduler.cost_model import StepCostModel, StepShape
 
 
 def truth(s: StepShape) -> float:
-    """Concave in tokens (GEMMs get more efficient), linear in keys read, fixed verify and draft costs."""
+    """Concave in tokens (GEMMs get more efficient), linear in keys read and in rows of logits,
+    fixed verify and draft costs."""
     return (
         0.040
         + 0.004 * s.num_tokens**0.7
         + 0.002 * s.num_context / 1000
         + 0.003 * s.is_spec
         + 0.006 * s.num_draft_forwards
+        + 0.0008 * s.num_logits
     )
 
 
@@ -30,6 +32,7 @@ def random_step(rng: random.Random) -> StepShape:
         rows * rng.randint(100, 1500),
         spec and drafts > 0,
         rng.choice([0, 0, 2, 4]) if drafts else 0,
+        rows + drafts + (prefill > 0 and rng.random() < 0.5),  # a prefill chunk samples at its end only
     )
 
 
@@ -52,6 +55,27 @@ def test_recovers_a_synthetic_cost_function():
         true_marginal = truth(StepShape(tokens + 1)) - truth(StepShape(tokens))
         assert model.added_tokens_cost(tokens, 1) == pytest.approx(true_marginal, rel=0.6, abs=2e-4)
     assert model.draft_forward_cost == pytest.approx(0.006, rel=0.25)
+    assert model.logits_cost == pytest.approx(0.0008, rel=0.3)
+
+
+def test_a_verify_step_is_priced_above_a_prefill_chunk_of_as_many_tokens():
+    """Large steps are seen as prefill chunks (one row of logits), verify steps only small: a
+    verify of 50 tokens computes 50 rows of logits, and is priced so (by T alone it was not)."""
+    rng = random.Random(3)
+    model = StepCostModel()
+    for _ in range(600):
+        rows = rng.randint(1, 16)
+        if rng.random() < 0.3:  # decode rows plus a prefill chunk
+            chunk = rng.choice([32, 64, 128, 256])
+            shape = StepShape(rows + chunk, rows * 300 + chunk**2 // 2, num_logits=rows + rng.randint(0, 1))
+        else:  # decode, or verify with a few drafts
+            drafts = rng.randint(0, 3) * rows if rng.random() < 0.5 else 0
+            shape = StepShape(rows + drafts, rows * 300 + drafts, drafts > 0, 0, rows + drafts)
+        model.observe(shape, truth(shape) * (1 + rng.gauss(0, 0.02)))
+    verify = StepShape(50, 16 * 300 + 34, True, 0, 50)
+    assert model.predict(verify) == pytest.approx(truth(verify), rel=0.08)
+    prefill = StepShape(50, 16 * 300 + 34, False, 0, 16)
+    assert model.predict(verify) - model.predict(prefill) == pytest.approx(truth(verify) - truth(prefill), rel=0.3)
 
 
 def test_follows_a_machine_that_changes_speed():
