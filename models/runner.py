@@ -303,9 +303,9 @@ class ModelRunner:
         plain_spec = [i for i in spec if not rows[i].request.prediction_ids]
         if isinstance(self.proposer, DeviceProposer):
             self._run_host(self.prediction, rows, with_prediction, drafts)
-            with_lookup = [i for i in plain_spec if rows[i].use_lookup and self.lookup is not None]
+            with_lookup = [i for i in plain_spec if rows[i].use_lookup] if self.lookup is not None else []
             self._run_host(self.lookup, rows, with_lookup, drafts)
-            on_device = [i for i in plain_spec if not (rows[i].use_lookup and self.lookup is not None)]
+            on_device = [i for i in plain_spec if i not in with_lookup]
             return drafts, on_device if device_drafting else []
         for index, proposer in ((with_prediction, self.prediction), (plain_spec, self.proposer)):
             if index and proposer is not None:
@@ -321,7 +321,7 @@ class ModelRunner:
         plain = [i for i in want if not rows[i].request.prediction_ids]
         host = self.lookup if isinstance(self.proposer, DeviceProposer) else self.proposer
         for index, proposer in ((with_prediction, self.prediction), (plain, host)):
-            if index and proposer is not None and not isinstance(proposer, DeviceProposer):
+            if index and proposer is not None:
                 self._run_host(proposer, rows, index, drafts, [rows[i].num_shadow_tokens for i in index])
         return {i: d.token_ids for i, d in enumerate(drafts) if d is not None}
 

@@ -439,7 +439,8 @@ class SpecPolicy:
         for i in auto_rows:
             if i in priced:
                 continue
-            gains = self._gains(self._state_for(requests[i]), k_maxes[i])
+            state = self._state_for(requests[i])
+            gains = self._gains(state, self._rates(state, k_maxes[i]))
             if i in lookup_gains and sum(lookup_gains[i]) >= sum(gains):
                 gains = lookup_gains[i]  # as likely, and no draft forwards to pay
                 lookup_rows.add(i)
@@ -466,11 +467,12 @@ class SpecPolicy:
                     budget -= 1
         return ks, plan
 
-    def _gains(self, state: AcceptanceState, k: int) -> list[float]:
-        """Expected extra tokens of each of a row's k draft positions: P(draft j accepted) is the
-        product of the conditional rates up to j, scaled by the row's realised share."""
+    def _gains(self, state: AcceptanceState, rates: list[float]) -> list[float]:
+        """Expected extra tokens of each of a row's draft positions, given each position's
+        conditional acceptance rate: P(draft j accepted) is the product of the rates up to j,
+        scaled by the row's realised share."""
         gain, share, gains = 1.0, self._realised_share(state), []
-        for rate in self._rates(state, k):
+        for rate in rates:
             gain *= rate
             gains.append(gain * share)
         return gains
@@ -481,7 +483,12 @@ class SpecPolicy:
             return {}
         k_maxes = [min(self.lookup_k_max(requests[i]), caps[i]) for i in rows]
         lengths = self.lookup([requests[i] for i in rows], k_maxes)
-        return {i: self._gains(self._state_for(requests[i], lookup=True), n) for i, n in zip(rows, lengths) if n > 0}
+        gains = {}
+        for i, n in zip(rows, lengths):
+            if n > 0:
+                state = self._state_for(requests[i], lookup=True)
+                gains[i] = self._gains(state, self._rates(state, n))
+        return gains
 
     def _priced_candidates(
         self, requests: list[Request], rows: list[int], k_maxes: list[int]
@@ -494,10 +501,8 @@ class SpecPolicy:
         for i, probs in zip(rows, previews):
             state = self._state_for(requests[i])
             state.draft_probs = probs
-            gain, share = 1.0, self._realised_share(state)
-            for p in probs:
-                gain *= self.calibration.rate(p)
-                candidates.append((gain * share, i))
+            gains = self._gains(state, [self.calibration.rate(p) for p in probs])
+            candidates += [(gain, i) for gain in gains]
         return candidates
 
     def _choose(
