@@ -59,6 +59,11 @@ class DeviceDraft:
     token_ids: torch.Tensor  # [R, k_max] int64; positions >= num_tokens[i] are padding
     probs: torch.Tensor | None  # [R, k_max, V] q (zero past a row's k); None when every row is greedy
 
+    def first(self, num_rows: int) -> DeviceDraft:
+        """The drafts of the plan's first `num_rows` rows."""
+        probs = None if self.probs is None else self.probs[:num_rows]
+        return DeviceDraft(self.token_ids[:num_rows], probs)
+
 
 class DeviceProposer(ABC):
     """The plan and the K-forward loop; a subclass supplies the catch-up feed and the forwards.

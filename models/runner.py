@@ -5,7 +5,9 @@
 Model-free proposers (n-gram, Predicted Outputs) draft on the host while the
 step is prepared; a draft model or an EAGLE head drafts on the device after
 the upload, and its tokens go into the target's input there. Beside a device
-proposer, rows the policy gives to prompt lookup draft on the host instead. For an EAGLE
+proposer, rows the policy gives to prompt lookup draft on the host instead, and rows
+it probes get one unverified draft token from the device proposer in the same
+forwards (returned with the step's results, for the policy to grade). For an EAGLE
 head the target forward also keeps every token's last hidden state (the
 head's features) in the proposer's feature pool. Every row's new tokens (prefill
 chunk, last token, or last token + drafts) go through the target in one
@@ -98,6 +100,10 @@ class StepPlan:
     layout: LayoutPlan
     sample_rows: list[int]
     shadows: dict[int, list[int]] = field(default_factory=dict)  # row -> unverified draft
+    # Rows the device proposer drafts one unverified token for (`ScheduledRow.probe`): its
+    # plan's rows after `draft_rows`; their tokens, on the device once it ran.
+    probe_rows: list[int] = field(default_factory=list)
+    probe_ids: torch.Tensor | None = None
     buf: HostBuffer = field(default_factory=HostBuffer)
 
     @property
@@ -186,7 +192,7 @@ class ModelRunner:
             self._maybe_inject_fault(row, "raise")
         clock = _PhaseClock()
         plan, arrays, device_draft = self._prepare_and_draft(rows)
-        clock.lap("draft" if plan.any_draft else None)
+        clock.lap("draft" if plan.any_draft or plan.probe_rows else None)
         logits = self._forward(plan, arrays, device_draft)
         outputs = self._sample(plan, arrays, logits, device_draft) if plan.sample_rows else {}
         clock.lap(_forward_phase(plan))
@@ -216,7 +222,11 @@ class ModelRunner:
             return plan, arrays, None
         assert isinstance(self.proposer, DeviceProposer)
         try:
-            return plan, arrays, self.proposer.run(plan.draft, arrays)
+            drafted = self.proposer.run(plan.draft, arrays)
+            num_verify = len(plan.draft_rows)
+            if plan.probe_rows:
+                plan.probe_ids = drafted.token_ids[num_verify:, 0]
+            return plan, arrays, drafted.first(num_verify) if num_verify else None
         except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
             logger.exception("%s proposer failed; these rows decode plainly this step", self.proposer.method)
             plan = self._prepare(rows, device_drafting=False)
@@ -244,6 +254,9 @@ class ModelRunner:
             num_draft[i] = rows[i].num_spec_tokens
             methods[i] = self.proposer.method
         lens = [len(row.token_ids) + k for row, k in zip(rows, num_draft)]
+        probe_rows = []
+        if isinstance(self.proposer, DeviceProposer) and device_drafting:
+            probe_rows = [i for i, row in enumerate(rows) if row.probe and row.sample and not num_draft[i]]
         plan = StepPlan(
             rows=rows,
             host_drafts=host_drafts,
@@ -256,13 +269,16 @@ class ModelRunner:
             ),
             sample_rows=[i for i, row in enumerate(rows) if row.sample],
             shadows=self._shadow_drafts(rows),
+            probe_rows=probe_rows,
         )
         buf = plan.buf
-        if draft_rows:
+        if draft_rows or probe_rows:
             assert isinstance(self.proposer, DeviceProposer)
-            try:
+            try:  # probes ride in the same forwards, after the rows that verify
                 plan.draft = self.proposer.plan(
-                    [rows[i].request for i in draft_rows], [num_draft[i] for i in draft_rows], buf
+                    [rows[i].request for i in draft_rows + probe_rows],
+                    [num_draft[i] for i in draft_rows] + [1] * len(probe_rows),
+                    buf,
                 )
             except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
                 logger.exception("%s proposer failed; these rows decode plainly this step", self.proposer.method)
@@ -441,7 +457,7 @@ class ModelRunner:
         if want_logprobs:
             # Log-probabilities of the raw target distribution at every grid position; the host keeps the emitted ones.
             results += compute_logprobs(grid, token_ids, top_n)  # chosen, top ids, top logprobs
-        host = download(*results)
+        host = download(*results, *_probe_ids(plan))
         return self._outputs(plan, host, want_logprobs)
 
     def _verify_greedy_packed(
@@ -456,8 +472,8 @@ class ModelRunner:
         num_accepted, token_ids = greedy_verify(draft_ids, arrays["num_draft"], target_ids.view(num_rows, n_max))
         finite = torch.ones(num_rows, dtype=torch.long, device=device)
         finite.scatter_reduce_(0, arrays["grid_row"], torch.isfinite(logits).all(dim=-1).long(), reduce="amin")
-        (host,) = download(torch.cat([finite[:, None], num_accepted[:, None], token_ids], dim=1))
-        return self._outputs(plan, [host], want_logprobs=False)
+        host = download(torch.cat([finite[:, None], num_accepted[:, None], token_ids], dim=1), *_probe_ids(plan))
+        return self._outputs(plan, host, want_logprobs=False)
 
     @staticmethod
     def _draft_ids(arrays: DeviceArrays, num_rows: int, n_max: int, device_draft: DeviceDraft | None) -> torch.Tensor:
@@ -486,6 +502,7 @@ class ModelRunner:
         main = host[0]
         if want_logprobs:
             chosen, top_ids, top_lp = host[1:4]
+        probes = dict(zip(plan.probe_rows, host[-1])) if plan.probe_ids is not None else {}
         for r, i in enumerate(plan.sample_rows):
             row = plan.rows[i]
             is_finite, n_acc, *ids = main[r]
@@ -495,6 +512,7 @@ class ModelRunner:
                 continue
             out.token_ids = ids[: n_acc + 1]
             out.shadow_ids = plan.shadows.get(i)
+            out.probe_id = probes.get(i)
             if plan.num_draft[i]:
                 out.method = plan.methods[i]
                 out.num_draft_tokens = plan.num_draft[i]
@@ -528,6 +546,11 @@ class _PhaseClock:
         if phase is not None:
             self.phases[phase] = now - self._last
         self._last = now
+
+
+def _probe_ids(plan: StepPlan) -> list[torch.Tensor]:
+    """The probes' draft tokens, to ride in the step's one download (none: nothing)."""
+    return [] if plan.probe_ids is None else [plan.probe_ids]
 
 
 def _forward_phase(plan: StepPlan) -> str:

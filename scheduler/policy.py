@@ -49,12 +49,17 @@ Rule (documented in README, "How `auto` decides"):
   Predicted Outputs) makes a *shadow* draft for it, which the row's next
   emitted tokens confirm or refute at no verify cost, so acceptance that
   jumps (a request starts quoting) is seen within a step or two. A draft
-  model or an EAGLE head cannot shadow for free: its rows probe with one
-  draft token after `probe_interval` plain steps (doubling to 8x while probes
-  fail, halving again as they succeed), or after more where the cost model
-  prices a round of probes above `probe_budget` (2%) of the plain steps
-  between rounds. A due probe takes along every row past half its wait, and
-  a step that verifies anyway takes them too, so probes share verify steps.
+  model or an EAGLE head cannot shadow for free, as its draft costs a
+  forward: its rows *probe*. The proposer drafts one token for a row that
+  runs plain, and the token the row emits grades it, as a shadow is graded:
+  no verify step, no draft token through the target, only the proposer's
+  forward (and its catch-up over the positions since the row last drafted).
+  A row probes after `probe_interval` plain steps (doubling to 8x while
+  probes fail, halving again as they succeed), or after more where the cost
+  model prices a round of probes above `probe_budget` (1%) of the plain
+  steps between rounds. A due probe takes along every row past half its
+  wait, and a step whose proposer runs anyway (a row drafts from it) takes
+  them too, so probes share the proposer's forwards.
 * Beside a draft model or an EAGLE head, prompt lookup (n-gram) is a second
   source a row may draft from (`lookup`: the runner's n-gram drafts available
   now). Each such row keeps a second set of estimates for its lookup drafts,
@@ -131,9 +136,9 @@ class SpecConfig:
     decay: float = 0.8  # weight of history in a request's acceptance estimate, per verify step
     probe_interval: int = 8  # plain steps before a row that cannot shadow probes (at least)
     # Share of step time a round of probes may cost, spread over the steps between rounds:
-    # where a verify step costs much more than a plain one (a CPU at small batches) the
-    # wait grows past probe_interval so exploring stays within this share.
-    probe_budget: float = 0.02
+    # where the proposer's forward is dear (a head catching up 16 rows on a CPU: 19% of a
+    # plain step) the wait grows past probe_interval so exploring stays within this share.
+    probe_budget: float = 0.01
     # Most tokens a prompt-lookup draft beside a device proposer may carry, unless the
     # request sets num_speculative_tokens (a copy is cheap to draft long, unlike a head's).
     lookup_tokens: int = 10
@@ -273,6 +278,7 @@ class StepPlan:
     num_rows: int = 0  # decode rows the expectation covers
     edge: float = 1.0  # predicted tokens per second of the chosen step over the plain step's
     lookup_rows: frozenset[int] = frozenset()  # rows (by index) that draft by prompt lookup
+    probe_rows: frozenset[int] = frozenset()  # rows (by index) whose device proposer drafts unverified
 
 
 @dataclass
@@ -372,6 +378,8 @@ class SpecPolicy:
     _lookup_state: dict[str, AcceptanceState] = field(default_factory=dict)  # rows' lookup drafts
     _recent: dict[str, PositionCounts] = field(default_factory=dict)  # by proposer method
     num_explored: int = 0  # steps run plain to measure a plain step's cost
+    num_probes: int = 0  # probes graded, and those whose token the row emitted
+    num_probes_accepted: int = 0
 
     @property
     def has_proposer(self) -> bool:
@@ -450,21 +458,21 @@ class SpecPolicy:
         if budget < 0:
             ks = _shrink(ks, -budget)
             budget = 0
-        plan, budget = self._choose(requests, candidates, ks, budget, prefill, frozenset(lookup_rows))
+        plan = self._choose(requests, candidates, ks, budget, prefill, frozenset(lookup_rows))
         plan.lookup_rows = frozenset(i for i in lookup_rows if ks[i])
         for i in plan.lookup_rows:  # its verify grades the lookup now; a pending shadow would count twice
             self._state_for(requests[i], lookup=True).shadow = None
         probing = [i for i in auto_rows if not ks[i] and not self.can_shadow(requests[i])]
         interval = self._probe_interval(requests, len(probing), prefill)
         waited = {i: self._probe_wait(requests[i], ks[i], interval) for i in auto_rows}
-        # A probe makes a plain step a verify step. So once one is due (or the step verifies
-        # anyway), every row past half its wait probes with it: a large batch pays one verify
-        # step per round of probes instead of one per row, each row at its own time.
-        if any(w >= 1.0 for w in waited.values()) or any(ks):
-            for i, w in waited.items():
-                if w >= 0.5 and budget > 0:
-                    ks[i] = 1
-                    budget -= 1
+        # A probe makes the proposer run in a step that would not. So once one is due (or a
+        # row drafts on the device anyway), every row past half its wait probes with it: a
+        # large batch pays one proposer forward per round of probes, each row at its own time.
+        on_device = any(ks[i] and self._drafts_on_device(r, i, plan.lookup_rows) for i, r in enumerate(requests))
+        if any(w >= 1.0 for w in waited.values()) or on_device:
+            plan.probe_rows = frozenset(i for i, w in waited.items() if w >= 0.5)
+            for i in plan.probe_rows:
+                self._state_for(requests[i]).plain_steps = 0
         return ks, plan
 
     def _gains(self, state: AcceptanceState, rates: list[float]) -> list[float]:
@@ -507,7 +515,7 @@ class SpecPolicy:
 
     def _choose(
         self, requests, candidates, ks, budget, prefill: StepShape, lookup_rows: frozenset[int] = frozenset()
-    ) -> tuple[StepPlan, int]:
+    ) -> StepPlan:
         """The best prefix of the candidates (by decreasing gain) for the decode rows' tokens per second.
 
         Every prefix is a plan, priced by the step's predicted time with that
@@ -564,7 +572,7 @@ class SpecPolicy:
         for gain, i in order[:best]:
             chosen[i] += 1
             gains[i].append(gain)
-        expected, seconds, budget = best_expected, best_seconds, budget - best
+        expected, seconds = best_expected, best_seconds
         edge = 1.0
         if best and not already_spec:
             edge = (expected / seconds) / (plain_expected / plain_seconds)
@@ -572,7 +580,6 @@ class SpecPolicy:
             margin = self.required_edge()
             if edge <= 1.0 + margin or explore:
                 self.num_explored += edge > 1.0 + margin
-                budget += sum(chosen)
                 chosen, expected, seconds, edge = [0] * len(requests), plain_expected, plain_seconds, 1.0
         for i, k in enumerate(chosen):
             if k:
@@ -582,7 +589,7 @@ class SpecPolicy:
             share = self._realised_share(state)
             state.plan_gains = [g / share for g in gains[i]] if chosen[i] else []
         predicted = seconds + prefill_seconds if cost.is_fitted else None
-        return StepPlan(expected, predicted, len(requests), edge), budget
+        return StepPlan(expected, predicted, len(requests), edge)
 
     def _drafts_on_device(self, request: Request, row: int, lookup_rows: frozenset[int]) -> bool:
         return self.method_of(request) in DEVICE_PROPOSERS and row not in lookup_rows
@@ -597,14 +604,15 @@ class SpecPolicy:
 
     def _probe_interval(self, requests: list[Request], num_probes: int, prefill: StepShape) -> float:
         """Plain steps between a row's probes before backoff: `probe_interval`, or more where one
-        round of `num_probes` one-token probes would cost more than `probe_budget` of the plain
-        steps it waits through. Priced by the cost model, so it holds on any machine."""
+        round of probes (the proposer's forward in a plain step) would cost more than
+        `probe_budget` of the plain steps it waits through. Priced by the cost model, so it
+        holds on any machine."""
         interval = float(self.config.probe_interval)
         if not num_probes or not self.cost.is_fitted:
             return interval
         context = sum(r.num_computed_tokens + 1 for r in requests) + prefill.num_context
         plain = StepShape(len(requests) + prefill.num_tokens, context, num_logits=len(requests) + prefill.num_logits)
-        probe = StepShape(plain.num_tokens + num_probes, context + num_probes, True, 1, plain.num_logits + num_probes)
+        probe = replace(plain, num_draft_forwards=1)
         seconds = self.cost.predict(plain)
         premium = self.cost.predict(probe) - seconds
         if seconds <= 0.0 or premium <= 0.0:
@@ -613,7 +621,7 @@ class SpecPolicy:
 
     def _probe_wait(self, request: Request, k: int, interval: float) -> float:
         """How far a row that stopped drafting, and cannot shadow, is through its wait for a
-        one-token probe (1: due); 0 for rows that draft or shadow."""
+        probe (1: due); 0 for rows that draft or shadow."""
         state = self._state_for(request)
         if k:
             state.plain_steps = 0
@@ -660,12 +668,22 @@ class SpecPolicy:
         for j in reached_positions(num_drafted, num_accepted):
             self._grade(state, slot_of(j, after_full), j < num_accepted)
         state.after_full = num_accepted == num_drafted
-        if state.plain_steps:  # this was a probe
-            # One accepted token is weak evidence for a row that stopped paying: the wait
-            # shortens a step at a time, and the acceptance estimate decides the rest.
-            step = -1 if num_accepted else 1
-            state.probe_backoff = min(max(state.probe_backoff + step, 0), MAX_PROBE_BACKOFF)
         state.plain_steps = 0
+
+    def observe_probe(self, request: Request, draft_id: int, emitted: int) -> None:
+        """Grade a probe: the device proposer's one-token draft for a row that ran plain,
+        against the token the row emitted in that step."""
+        state = self._state_for(request)
+        accepted = draft_id == emitted
+        self._begin_grading(state)
+        self._grade(state, slot_of(0, state.after_full), accepted)
+        state.after_full = accepted
+        self.num_probes += 1
+        self.num_probes_accepted += accepted
+        # One accepted token is weak evidence for a row that stopped paying: the wait
+        # shortens a step at a time, and the acceptance estimate decides the rest.
+        step = -1 if accepted else 1
+        state.probe_backoff = min(max(state.probe_backoff + step, 0), MAX_PROBE_BACKOFF)
 
     def observe_shadow(self, request: Request, draft_ids: list[int], emitted: list[int]) -> None:
         """Grade the row's pending shadow draft (starting `draft_ids` if none) with its emitted
@@ -793,6 +811,7 @@ class SpecPolicy:
             "gain_scale": round(t.scale, 3),
             "required_edge": round(self.required_edge(), 3),
             "plain_steps_explored": self.num_explored,
+            "probes": {"graded": self.num_probes, "accepted": self.num_probes_accepted},
             "emitted_tokens_per_step": round(t.emitted / t.num_steps, 3) if t.num_steps else None,
             "recent_acceptance_by_proposer": {
                 method: round(rate, 3)

@@ -253,7 +253,9 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - speculation only speeds a step up: a policy fault must not stop it
             logger.exception("speculation policy failed; this step runs plain")
             ks, self.last_plan = [0] * len(decoding), None
-        lookup_rows = self.last_plan.lookup_rows if self.last_plan else frozenset()
+        plan = self.last_plan
+        lookup_rows = plan.lookup_rows if plan else frozenset()
+        probe_rows = plan.probe_rows if plan else frozenset()
         for i, (request, k) in enumerate(zip(decoding, ks)):
             lookup = i in lookup_rows
             if k and not self._grow(request, request.num_computed_tokens + 1 + k):
@@ -268,6 +270,7 @@ class Scheduler:
                     num_spec_tokens=k,
                     num_shadow_tokens=min(self.policy.wants_shadow(request, k, lookup), self._draft_cap(request) + 1),
                     use_lookup=lookup,
+                    probe=i in probe_rows,
                 )
             )
         rows += prefills
@@ -393,6 +396,8 @@ class Scheduler:
             self._count_speculation(request, out)
             if request.params.speculation == "auto":
                 self.policy.observe_shadow(request, out.shadow_ids or [], out.token_ids)
+                if out.probe_id is not None and out.token_ids:
+                    self.policy.observe_probe(request, out.probe_id, out.token_ids[0])
             new_ids, stop_id = self._append(request, out.token_ids)
             if not request.is_finished:  # a finished request's blocks were offered on release
                 self._cache_blocks(request, row.start_pos)
@@ -497,14 +502,16 @@ class Scheduler:
 
 def step_shape(batch: Batch, output: StepOutput) -> StepShape:
     """What the step cost model prices of a step as it ran: the tokens the target computed
-    (drafts included), the keys they attended over, whether it verified, draft forwards,
-    and the positions it computed logits for (a sampling row's last token and drafts)."""
+    (drafts included), the keys they attended over, whether it verified, draft forwards
+    (one for probes alone), and the positions it computed logits for (a sampling row's last
+    token and drafts)."""
     drafts = [out.num_draft_tokens for out in output.rows]
     device_drafts = [out.num_draft_tokens for out in output.rows if out.method in DEVICE_PROPOSERS]
+    probed = any(out.probe_id is not None for out in output.rows)
     return StepShape(
         num_tokens=sum(len(row.token_ids) for row in batch.rows) + sum(drafts),
         num_context=sum(row.start_pos + len(row.token_ids) + k for row, k in zip(batch.rows, drafts)),
         is_spec=any(drafts),
-        num_draft_forwards=max(device_drafts, default=0),
+        num_draft_forwards=max(*device_drafts, int(probed), 0),
         num_logits=sum(1 + k for row, k in zip(batch.rows, drafts) if row.sample),
     )

@@ -212,6 +212,9 @@ class ScheduledRow:
     num_shadow_tokens: int = 0
     # The row drafts by prompt lookup (n-gram) instead of the engine's draft model or head.
     use_lookup: bool = False
+    # A row that runs plain asks the device proposer (draft model, head) for one draft token
+    # anyway, returned unverified (`RowOutput.probe_id`): the token the row emits grades it.
+    probe: bool = False
 
     @property
     def request_id(self) -> str:
@@ -248,6 +251,8 @@ class RowOutput:
     error: str | None = None
     # The shadow draft asked for by `ScheduledRow.num_shadow_tokens` (not verified).
     shadow_ids: list[int] | None = None
+    # The probe's draft token asked for by `ScheduledRow.probe` (not verified).
+    probe_id: int | None = None
 
 
 @dataclass

@@ -30,7 +30,7 @@ from models.transfer import HostBuffer
 from scheduler.engine import AsyncEngine
 from scheduler.offline import run_offline
 from scheduler.policy import SpecConfig
-from scheduler.scheduler import SchedulerConfig
+from scheduler.scheduler import SchedulerConfig, step_shape
 from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
 from server.protocol import SpeculationInfo
 from tests.support.cycle import build_cycle_head, cycle_ids
@@ -277,6 +277,44 @@ def test_a_perfect_head_is_accepted_and_a_token_outside_its_vocabulary_is_not(
     assert output.accepted_per_position == per_position
     if not leave_out:
         assert per_position == [1, 1, 1, 1]
+
+
+def test_a_probe_drafts_one_unverified_token_that_the_emitted_token_grades(cycle_model_dir, cycle_text, tmp_path):
+    """A probe: the head drafts one token for a row that runs plain, in the same forwards
+    as a row that verifies, or alone; the token comes back unverified (the row emits one
+    token and verifies nothing), and the step is priced as one draft forward."""
+    head_dir = build_cycle_head(cycle_model_dir, tmp_path / "head")
+    runner = eagle_runner(cycle_model_dir, head_dir)
+    prompt = cycle_text.tokenizer.encode("\n", add_special_tokens=False)
+    probed, verifying = running("probe", prompt, 0), running("verify", prompt, 1, temperature=1.0, seed=3)
+    step(runner, probed, 0)
+    step(runner, verifying, 0)
+
+    def run(rows: list[ScheduledRow]):
+        batch = Batch(rows=rows)
+        output = runner.execute(batch)
+        for row, out in zip(rows, output.rows):
+            assert out.error is None
+            row.request.num_computed_tokens = row.start_pos + 1 + out.num_accepted_tokens
+            row.request.output_ids += out.token_ids
+        return output.rows, step_shape(batch, output)
+
+    def decode(request: Request, k: int = 0, probe: bool = False) -> ScheduledRow:
+        return ScheduledRow(request, [request.output_ids[-1]], request.num_computed_tokens, True, k, probe=probe)
+
+    for _ in range(3):
+        (p, v), shape = run([decode(probed, probe=True), decode(verifying, k=3)])
+        assert p.num_draft_tokens == 0 and p.method is None and len(p.token_ids) == 1
+        assert p.probe_id == p.token_ids[0]  # a perfect head's guess is the emitted token
+        assert v.num_accepted_tokens == 3 and v.probe_id is None
+        assert shape.num_draft_forwards == 3
+    (p,), shape = run([decode(probed, probe=True)])  # alone: the head runs in a step that verifies nothing
+    assert p.probe_id == p.token_ids[0]
+    assert not shape.is_spec and shape.num_draft_forwards == 1
+    (p,), shape = run([decode(probed)])
+    assert p.probe_id is None and shape.num_draft_forwards == 0
+    assert probed.output_ids == cycle_text.next_ids(prompt, len(probed.output_ids))
+    assert verifying.output_ids == cycle_text.next_ids(prompt, len(verifying.output_ids))
 
 
 def test_a_failing_head_costs_the_step_its_drafts_never_a_request(tiny_llama_dir, tiny_llama_head_dir, caplog):

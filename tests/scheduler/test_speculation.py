@@ -120,6 +120,31 @@ def test_self_draft_accepts_everything(tiny_llama_dir):
         assert c.num_chunks < len(c.token_ids)  # several tokens per step
 
 
+def test_probes_ride_in_the_draft_forwards_and_verify_nothing(tiny_llama_dir):
+    """Every plain decode row is probed: the draft model drafts one token for it in the
+    forwards that draft for the verifying rows, and it comes back unverified. The target
+    as its own draft guesses each emitted token, the rows that verify accept every draft
+    (the probed rows' draft KV stays right), and every row's output is the plain one."""
+    target, runner = runner_for(tiny_llama_dir, "draft_model", tiny_llama_dir)
+    config, tok = config_for(target), target.tokenizer
+    plain = [c.token_ids for c in run_offline(runner, config, requests(tok, "off", False))]
+    execute, probes = runner.execute, []
+
+    def probing(batch):
+        for row in batch.rows:
+            row.probe = row.sample and not row.num_spec_tokens and bool(row.request.output_ids)
+        output = execute(batch)
+        probes.extend((out.probe_id, out.token_ids[0]) for out in output.rows if out.probe_id is not None)
+        assert all(out.num_draft_tokens == 0 for row, out in zip(batch.rows, output.rows) if row.probe)
+        return output
+
+    runner.execute = probing  # type: ignore[method-assign]
+    mixed = run_offline(runner, config, requests(tok, "mix", [True, False, True, False]))
+    assert [c.token_ids for c in mixed] == plain
+    assert mixed[1].num_draft_tokens == 0 and mixed[0].num_accepted_tokens == mixed[0].num_draft_tokens > 0
+    assert len(probes) >= 2 * 30 and all(draft == emitted for draft, emitted in probes)
+
+
 def test_prediction_is_used_as_the_draft(tiny_llama_dir):
     target, runner = runner_for(tiny_llama_dir, "none")
     config = config_for(target)
