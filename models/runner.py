@@ -103,7 +103,11 @@ class StepPlan:
     # Rows the device proposer drafts one unverified token for (`ScheduledRow.probe`): its
     # plan's rows after `draft_rows`; their tokens, on the device once it ran.
     probe_rows: list[int] = field(default_factory=list)
-    probe_ids: torch.Tensor | None = None
+    probe_ids: torch.Tensor | None = None  # [P]
+    probe_q: torch.Tensor | None = None  # [P, V] q, when a probed row samples
+    # [P] min(1, p(x) / q(x)): the chance the rejection sampler would accept each probe's
+    # token, computed where any row samples (greedy rows: 1 or 0, as equality says).
+    probe_accept: torch.Tensor | None = None
     buf: HostBuffer = field(default_factory=HostBuffer)
 
     @property
@@ -226,6 +230,7 @@ class ModelRunner:
             num_verify = len(plan.draft_rows)
             if plan.probe_rows:
                 plan.probe_ids = drafted.token_ids[num_verify:, 0]
+                plan.probe_q = None if drafted.probs is None else drafted.probs[num_verify:, 0]
             return plan, arrays, drafted.first(num_verify) if num_verify else None
         except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
             logger.exception("%s proposer failed; these rows decode plainly this step", self.proposer.method)
@@ -242,6 +247,7 @@ class ModelRunner:
             rows=[outputs.get(row.request_id) or RowOutput(row.request_id) for row in plan.rows],
             phase_seconds=phases,
             accepted_per_position=accepted_per_position,
+            num_proposer_tokens=plan.draft.num_fed if plan.draft is not None else 0,
         )
 
     # -- prepare: host-side drafting and the step's one upload --
@@ -384,6 +390,9 @@ class ModelRunner:
             buf.ints("draft_grid", grid)
             position = {row: r for r, row in enumerate(plan.sample_rows)}
             buf.ints("draft_sample_rows", [position[i] for i in plan.draft_rows])
+        if plan.probe_rows:
+            position = {row: r for r, row in enumerate(plan.sample_rows)}
+            buf.ints("probe_sample_rows", [position[i] for i in plan.probe_rows])
         plan_penalty_counts(requests, buf, "counts")
         nan_rows = [r for r, i in enumerate(plan.sample_rows) if self._maybe_inject_fault(rows[i], "nan")]
         if nan_rows:
@@ -441,6 +450,8 @@ class ModelRunner:
                 num_accepted, token_ids = greedy_verify(draft_ids, num_draft, target_ids)
         else:
             probs = process_logits(grid, st, output_counts, prompt_mask, draft_ids)  # [rows, n_max, vocab]
+            if plan.probe_ids is not None:
+                plan.probe_accept = _probe_accept(plan, probs, arrays["probe_sample_rows"])
             positions = arrays["out_len"][:, None] + torch.arange(n_max, device=device)  # [rows, n_max]
             u_sample = uniform_noise(st.seeds, positions, STREAM_SAMPLE)
             if n_max == 1:
@@ -457,7 +468,7 @@ class ModelRunner:
         if want_logprobs:
             # Log-probabilities of the raw target distribution at every grid position; the host keeps the emitted ones.
             results += compute_logprobs(grid, token_ids, top_n)  # chosen, top ids, top logprobs
-        host = download(*results, *_probe_ids(plan))
+        host = download(*results, *_probe_results(plan))
         return self._outputs(plan, host, want_logprobs)
 
     def _verify_greedy_packed(
@@ -472,7 +483,7 @@ class ModelRunner:
         num_accepted, token_ids = greedy_verify(draft_ids, arrays["num_draft"], target_ids.view(num_rows, n_max))
         finite = torch.ones(num_rows, dtype=torch.long, device=device)
         finite.scatter_reduce_(0, arrays["grid_row"], torch.isfinite(logits).all(dim=-1).long(), reduce="amin")
-        host = download(torch.cat([finite[:, None], num_accepted[:, None], token_ids], dim=1), *_probe_ids(plan))
+        host = download(torch.cat([finite[:, None], num_accepted[:, None], token_ids], dim=1), *_probe_results(plan))
         return self._outputs(plan, host, want_logprobs=False)
 
     @staticmethod
@@ -502,7 +513,12 @@ class ModelRunner:
         main = host[0]
         if want_logprobs:
             chosen, top_ids, top_lp = host[1:4]
-        probes = dict(zip(plan.probe_rows, host[-1])) if plan.probe_ids is not None else {}
+        probes: dict[int, int] = {}
+        accepts: dict[int, float] = {}
+        if plan.probe_ids is not None:
+            if plan.probe_accept is not None:
+                accepts = dict(zip(plan.probe_rows, host[-1]))
+            probes = dict(zip(plan.probe_rows, host[-1 - (plan.probe_accept is not None)]))
         for r, i in enumerate(plan.sample_rows):
             row = plan.rows[i]
             is_finite, n_acc, *ids = main[r]
@@ -513,6 +529,7 @@ class ModelRunner:
             out.token_ids = ids[: n_acc + 1]
             out.shadow_ids = plan.shadows.get(i)
             out.probe_id = probes.get(i)
+            out.probe_accept = accepts.get(i)
             if plan.num_draft[i]:
                 out.method = plan.methods[i]
                 out.num_draft_tokens = plan.num_draft[i]
@@ -548,9 +565,24 @@ class _PhaseClock:
         self._last = now
 
 
-def _probe_ids(plan: StepPlan) -> list[torch.Tensor]:
-    """The probes' draft tokens, to ride in the step's one download (none: nothing)."""
-    return [] if plan.probe_ids is None else [plan.probe_ids]
+def _probe_results(plan: StepPlan) -> list[torch.Tensor]:
+    """The probes' draft tokens (and their acceptance chances, if computed), to ride in the
+    step's one download; none without probes."""
+    if plan.probe_ids is None:
+        return []
+    return [plan.probe_ids] if plan.probe_accept is None else [plan.probe_ids, plan.probe_accept]
+
+
+def _probe_accept(plan: StepPlan, probs: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
+    """min(1, p(x) / q(x)) per probe: x its token, p the target's processed distribution at the
+    row's next position, q the proposer's (one-hot for a greedy row, so equality)."""
+    assert plan.probe_ids is not None
+    x = plan.probe_ids[:, None]
+    p = probs[sample_rows, 0].gather(1, x)[:, 0]
+    if plan.probe_q is None:
+        return p.clamp(max=1.0)
+    q = plan.probe_q.gather(1, x)[:, 0]
+    return (p / q.clamp(min=1e-30)).clamp(max=1.0)
 
 
 def _forward_phase(plan: StepPlan) -> str:

@@ -251,8 +251,10 @@ class RowOutput:
     error: str | None = None
     # The shadow draft asked for by `ScheduledRow.num_shadow_tokens` (not verified).
     shadow_ids: list[int] | None = None
-    # The probe's draft token asked for by `ScheduledRow.probe` (not verified).
+    # The probe's draft token asked for by `ScheduledRow.probe` (not verified), and, where
+    # the step sampled, the chance the rejection sampler would have accepted it.
     probe_id: int | None = None
+    probe_accept: float | None = None
 
 
 @dataclass
@@ -264,6 +266,8 @@ class StepOutput:
     accepted_per_position: list[int] = field(default_factory=list)
     # Nodes and leaves of the suffix proposer's cross-request trees (None: another proposer).
     suffix_cache_nodes: int | None = None
+    # Tokens the draft model's or head's forwards computed (catch-ups and chained drafts).
+    num_proposer_tokens: int = 0
 
 
 @dataclass

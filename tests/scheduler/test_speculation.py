@@ -145,6 +145,29 @@ def test_probes_ride_in_the_draft_forwards_and_verify_nothing(tiny_llama_dir):
     assert len(probes) >= 2 * 30 and all(draft == emitted for draft, emitted in probes)
 
 
+def test_a_sampled_probe_is_graded_by_the_chance_it_would_be_accepted(tiny_llama_dir):
+    """A sampled row's emitted token is one draw of p: with the target as its own draft
+    (q = p) it matches the probe's token only now and then, yet the rejection sampler would
+    accept every such draft. The probe comes back with that chance, min(1, p(x) / q(x))."""
+    target, runner = runner_for(tiny_llama_dir, "draft_model", tiny_llama_dir)
+    execute, probes = runner.execute, []
+
+    def probing(batch):
+        for row in batch.rows:
+            row.probe = row.sample and bool(row.request.output_ids)
+        output = execute(batch)
+        probes.extend((out.probe_id, out.token_ids[0], out.probe_accept) for out in output.rows if out.probe_id)
+        return output
+
+    runner.execute = probing  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True, speculation=False)
+    run_offline(runner, config_for(target), [Request(f"s{i}", target.tokenizer(p).input_ids, params)
+                                            for i, p in enumerate(PROMPTS)])  # fmt: skip
+    assert len(probes) >= 4 * 20
+    assert all(accept is not None and accept > 0.999 for _, _, accept in probes)
+    assert sum(draft == emitted for draft, emitted, _ in probes) < len(probes) / 2
+
+
 def test_prediction_is_used_as_the_draft(tiny_llama_dir):
     target, runner = runner_for(tiny_llama_dir, "none")
     config = config_for(target)
