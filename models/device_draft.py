@@ -46,7 +46,6 @@ class DraftPlan:
     active: list[list[int]]  # per draft position j: rows still drafting
     layouts: list[LayoutPlan]
     fed_after: list[int]  # per row: positions the proposer holds once the forwards ran
-    num_fed: int  # tokens the forwards compute: every row's catch-up feed, then one per chained draft
     any_sampled: bool
     penalties: bool
 
@@ -149,7 +148,6 @@ class DeviceProposer(ABC):
             active=active,
             layouts=layouts,
             fed_after=[self._fed_after(r, s, f, k) for r, s, f, k in zip(requests, starts, feeds, num_tokens)],
-            num_fed=sum(len(f) for f in feeds) + sum(len(rows) for rows in active[1:]),
             any_sampled=not all(p.is_greedy for p in params),
             penalties=penalties,
         )

@@ -247,7 +247,6 @@ class ModelRunner:
             rows=[outputs.get(row.request_id) or RowOutput(row.request_id) for row in plan.rows],
             phase_seconds=phases,
             accepted_per_position=accepted_per_position,
-            num_proposer_tokens=plan.draft.num_fed if plan.draft is not None else 0,
         )
 
     # -- prepare: host-side drafting and the step's one upload --

@@ -1,16 +1,10 @@
 """An online model of one engine step's time, learned on the running machine.
 
-    t = f(T) + c_ctx * C + c_spec * [the step verifies drafts] + c_draft * D + c_fed * F + c_logits * L
+    t = f(T) + c_ctx * C + c_spec * [the step verifies drafts] + c_draft * D + c_logits * L
 
 T is the tokens the target computes (prefill chunks, decode tokens, drafts),
 C the keys its rows attend over (sum of context lengths), D the draft model's
-forwards (0 for model-free proposers), F the tokens those forwards compute
-(each row's catch-up over the positions since the proposer last ran for it,
-then one per chained draft): a probe after 30 plain steps feeds 30 positions
-through an EAGLE head where a chained draft feeds one, and with F the fixed
-cost of a forward (c_draft) is not learned from the catch-ups (on SmolLM2's
-head in float32 on 2 cores a forward cost ~5 ms at one row, and a model with
-D alone put it at 14-25 ms, from probes). L the positions the output projection
+forwards (0 for model-free proposers), L the positions the output projection
 computes logits for (every sampling row's last token and drafts; a prefill
 chunk's other tokens get none). L is what separates a verify step from a
 prefill chunk of as many tokens: on SmolLM2 in float32 on 2 cores the output
@@ -47,13 +41,12 @@ KNOTS = np.array(
 # 5 tokens also measures one of 6.
 _SUPPORT_KNOTS = [float(1 << i) for i in range(15)]  # 1, 2, 4, ..., 16384
 # Parameters: f's level at T = 1, f's slope on each segment between knots (the
-# last one extrapolates), then the per-thousand-keys, verify, draft-forward, logits-row and
-# proposer-token costs.
+# last one extrapolates), then the per-thousand-keys, verify, draft-forward and logits-row costs.
 _NUM_SLOPES = len(KNOTS) - 1
 _LEVEL = 0
 _SLOPES = slice(1, 1 + _NUM_SLOPES)
-_CTX, _SPEC, _DRAFT, _LOGITS, _FED = (1 + _NUM_SLOPES + i for i in range(5))
-_NUM_FEATURES = 6 + _NUM_SLOPES
+_CTX, _SPEC, _DRAFT, _LOGITS = 1 + _NUM_SLOPES, 2 + _NUM_SLOPES, 3 + _NUM_SLOPES, 4 + _NUM_SLOPES
+_NUM_FEATURES = 5 + _NUM_SLOPES
 _CTX_SCALE = 1e-3  # C is fitted per thousand keys, so all features have similar sizes
 _WIDTHS = np.diff(KNOTS)
 _KNOT_LIST = [float(k) for k in KNOTS]
@@ -69,7 +62,6 @@ class StepShape:
     is_spec: bool = False
     num_draft_forwards: int = 0  # D
     num_logits: int = 0  # L
-    num_proposer_tokens: int = 0  # F
 
 
 @dataclass
@@ -105,7 +97,6 @@ def _features(shape: StepShape) -> np.ndarray:
     x[_SPEC] = 1.0 if shape.is_spec else 0.0
     x[_DRAFT] = float(shape.num_draft_forwards)
     x[_LOGITS] = float(shape.num_logits)
-    x[_FED] = float(shape.num_proposer_tokens)
     return x
 
 
@@ -181,11 +172,6 @@ class StepCostModel:
         return max(float(self.coef[_DRAFT]), 0.0)
 
     @property
-    def proposer_token_cost(self) -> float:
-        """Seconds one more token through the draft model's or head's forwards adds."""
-        return max(float(self.coef[_FED]), 0.0)
-
-    @property
     def logits_cost(self) -> float:
         """Seconds one more position's logits add (each draft token adds one)."""
         return max(float(self.coef[_LOGITS]), 0.0)
@@ -255,5 +241,4 @@ class StepCostModel:
             "ms_spec_step": round(self.spec_cost * 1e3, 3),
             "ms_per_draft_forward": round(self.draft_forward_cost * 1e3, 3),
             "ms_per_logits_row": round(self.logits_cost * 1e3, 3),
-            "ms_per_proposer_token": round(self.proposer_token_cost * 1e3, 4),
         }

@@ -24,8 +24,7 @@ Rule (documented in README, "How `auto` decides"):
 * The price of a draft token is what it adds to *this* step's time, from a
   model of the step learned online on the running machine
   (`scheduler.cost_model`): what a draft's tokens add to the step's time at
-  this step's size, plus a draft model's forward per position drafted and
-  one token through it per draft token.
+  this step's size, plus a draft model's forward per position drafted.
   Candidate draft positions of all auto rows are ranked by decreasing g;
   each prefix of that ranking is a plan whose rate is its expected tokens
   over its predicted time (the decode rows' time plus what its tokens, the
@@ -535,38 +534,33 @@ class SpecPolicy:
         plain_tokens = len(requests) + prefill.num_tokens  # the step without drafts
         tokens = plain_tokens + forced
         already_spec = forced > 0
-        on_device = [k for i, (k, r) in enumerate(zip(ks, requests)) if self._drafts_on_device(r, i, lookup_rows)]
-        draft_positions = max(on_device, default=0)
+        draft_positions = max(
+            (k for i, (k, r) in enumerate(zip(ks, requests)) if self._drafts_on_device(r, i, lookup_rows)), default=0
+        )
         cost = self.cost
         if cost.is_fitted:
             decode_context = sum(r.num_computed_tokens + 1 for r in requests) + forced
             decode = StepShape(len(requests) + forced, decode_context, already_spec, draft_positions,
-                               num_logits=len(requests) + forced, num_proposer_tokens=sum(on_device))  # fmt: skip
+                               num_logits=len(requests) + forced)  # fmt: skip
             seconds = max(cost.predict(decode), 1e-9)  # an early fit can price a small step at 0
             whole = replace(decode, num_tokens=tokens, num_context=decode_context + prefill.num_context,
                             num_logits=decode.num_logits + prefill.num_logits)  # fmt: skip
             prefill_seconds = max(cost.predict(whole) - seconds, 0.0)
             spec_cost, draft_cost, logits_cost = cost.spec_cost, cost.draft_forward_cost, cost.logits_cost
-            fed_cost = cost.proposer_token_cost
         else:  # nothing measured yet: a memory-bound guess (a token costs 2% of a step)
-            seconds, prefill_seconds, spec_cost, draft_cost, logits_cost, fed_cost = 1.0, 0.0, 0.0, 0.0, 0.0, 0.0
+            seconds, prefill_seconds, spec_cost, draft_cost, logits_cost = 1.0, 0.0, 0.0, 0.0, 0.0
         plain_seconds, plain_expected = seconds, expected
         fixed = 0.0 if already_spec else spec_cost  # the first draft makes this a verify step
         order = sorted(candidates, key=lambda c: -c[0])[: max(budget, 0)]
         best, best_rate = 0, expected / seconds
         best_expected, best_seconds = expected, seconds
         drafted = [0] * len(requests)
-        forwards = 0.0  # a device proposer's extra forwards and tokens, past those the step runs anyway
+        forwards = 0.0  # a device proposer's extra forwards, past those the step runs anyway
         for m, (gain, i) in enumerate(order, 1):
             drafted[i] += 1
-            if self._drafts_on_device(requests[i], i, lookup_rows):
-                # One more token through the proposer: this step's position of the row's catch-up
-                # for its first draft (the older ones are the backlog probes keep paying), then a
-                # chained draft's.
-                forwards += fed_cost
-                if drafted[i] > draft_positions:
-                    draft_positions = drafted[i]
-                    forwards += draft_cost
+            if self._drafts_on_device(requests[i], i, lookup_rows) and drafted[i] > draft_positions:
+                draft_positions = drafted[i]
+                forwards += draft_cost
             expected += gain
             # Each draft token is one more token through the model and one more row of logits.
             added = cost.added_tokens_cost(tokens, m) + logits_cost * m if cost.is_fitted else 0.02 * m
@@ -611,9 +605,9 @@ class SpecPolicy:
 
     def _probe_interval(self, requests: list[Request], num_probes: int, prefill: StepShape) -> float:
         """Plain steps between a row's probes before backoff: `probe_interval`, or more where one
-        round of probes (the proposer's forward in a plain step, and the rows' catch-ups) would
-        cost more than `probe_budget` of the plain steps it waits through. Priced by the cost
-        model, so it holds on any machine."""
+        round of probes (the proposer's forward in a plain step) would cost more than
+        `probe_budget` of the plain steps it waits through. Priced by the cost model, so it
+        holds on any machine."""
         interval = float(self.config.probe_interval)
         if not num_probes or not self.cost.is_fitted:
             return interval
@@ -621,15 +615,10 @@ class SpecPolicy:
         plain = StepShape(len(requests) + prefill.num_tokens, context, num_logits=len(requests) + prefill.num_logits)
         probe = replace(plain, num_draft_forwards=1)
         seconds = self.cost.predict(plain)
-        premium = self.cost.predict(probe) - seconds  # the round's forward
-        # Each probed row's catch-up feeds the positions since its last probe: one a step
-        # however the rounds are spaced, so only the forward's own cost shrinks with the wait.
-        room = self.config.probe_budget * seconds - self.cost.proposer_token_cost * num_probes
-        if seconds <= 0.0:
+        premium = self.cost.predict(probe) - seconds
+        if seconds <= 0.0 or premium <= 0.0:
             return interval
-        if room <= 0.0:  # the catch-ups alone spend the budget: the longest wait
-            return interval * (1 << MAX_PROBE_BACKOFF)
-        return max(interval, premium / room)
+        return max(interval, premium / (self.config.probe_budget * seconds))
 
     def _probe_wait(self, request: Request, k: int, interval: float) -> float:
         """How far a row that stopped drafting, and cannot shadow, is through its wait for a

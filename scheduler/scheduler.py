@@ -503,8 +503,8 @@ class Scheduler:
 def step_shape(batch: Batch, output: StepOutput) -> StepShape:
     """What the step cost model prices of a step as it ran: the tokens the target computed
     (drafts included), the keys they attended over, whether it verified, draft forwards
-    (one for probes alone) and the tokens they computed, and the positions it computed logits
-    for (a sampling row's last token and drafts)."""
+    (one for probes alone), and the positions it computed logits for (a sampling row's last
+    token and drafts)."""
     drafts = [out.num_draft_tokens for out in output.rows]
     device_drafts = [out.num_draft_tokens for out in output.rows if out.method in DEVICE_PROPOSERS]
     probed = any(out.probe_id is not None for out in output.rows)
@@ -513,6 +513,5 @@ def step_shape(batch: Batch, output: StepOutput) -> StepShape:
         num_context=sum(row.start_pos + len(row.token_ids) + k for row, k in zip(batch.rows, drafts)),
         is_spec=any(drafts),
         num_draft_forwards=max(*device_drafts, int(probed), 0),
-        num_proposer_tokens=output.num_proposer_tokens,
         num_logits=sum(1 + k for row, k in zip(batch.rows, drafts) if row.sample),
     )

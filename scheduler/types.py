@@ -266,8 +266,6 @@ class StepOutput:
     accepted_per_position: list[int] = field(default_factory=list)
     # Nodes and leaves of the suffix proposer's cross-request trees (None: another proposer).
     suffix_cache_nodes: int | None = None
-    # Tokens the draft model's or head's forwards computed (catch-ups and chained drafts).
-    num_proposer_tokens: int = 0
 
 
 @dataclass

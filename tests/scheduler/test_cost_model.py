@@ -10,8 +10,8 @@ from scheduler.cost_model import StepCostModel, StepShape
 
 
 def truth(s: StepShape) -> float:
-    """Concave in tokens (GEMMs get more efficient), linear in keys read, in rows of logits and
-    in tokens through the draft forwards, fixed verify and draft-forward costs."""
+    """Concave in tokens (GEMMs get more efficient), linear in keys read and in rows of logits,
+    fixed verify and draft costs."""
     return (
         0.040
         + 0.004 * s.num_tokens**0.7
@@ -19,7 +19,6 @@ def truth(s: StepShape) -> float:
         + 0.003 * s.is_spec
         + 0.006 * s.num_draft_forwards
         + 0.0008 * s.num_logits
-        + 0.0003 * s.num_proposer_tokens
     )
 
 
@@ -28,18 +27,12 @@ def random_step(rng: random.Random) -> StepShape:
     spec = rng.random() < 0.5
     drafts = rng.randint(0, 4 * rows) if spec else 0
     prefill = rng.choice([0, 0, 0, 128, 512])
-    forwards = rng.choice([0, 0, 2, 4]) if drafts else 0
-    if not drafts and rng.random() < 0.2:
-        forwards = 1  # a round of probes: the proposer runs in a plain step
-    # Each drafting row's catch-up (1 position after a draft, up to 64 after plain steps), then chained drafts.
-    fed = sum(rng.choice([1, 1, 8, 64]) for _ in range(rng.randint(1, rows))) + drafts if forwards else 0
     return StepShape(
         rows + drafts + prefill,
         rows * rng.randint(100, 1500),
         spec and drafts > 0,
-        forwards,
+        rng.choice([0, 0, 2, 4]) if drafts else 0,
         rows + drafts + (prefill > 0 and rng.random() < 0.5),  # a prefill chunk samples at its end only
-        fed,
     )
 
 
@@ -63,8 +56,6 @@ def test_recovers_a_synthetic_cost_function():
         assert model.added_tokens_cost(tokens, 1) == pytest.approx(true_marginal, rel=0.6, abs=2e-4)
     assert model.draft_forward_cost == pytest.approx(0.006, rel=0.25)
     assert model.logits_cost == pytest.approx(0.0008, rel=0.3)
-    # A forward's fixed cost apart from its tokens: long catch-ups do not inflate it.
-    assert model.proposer_token_cost == pytest.approx(0.0003, rel=0.3)
 
 
 def test_a_verify_step_is_priced_above_a_prefill_chunk_of_as_many_tokens():

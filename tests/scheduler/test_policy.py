@@ -15,25 +15,20 @@ def req(rid: str, **params) -> Request:
     return Request(rid, [1, 2, 3], SamplingParams(max_tokens=100, **params))
 
 
-def trained(
-    cost_fn, tokens=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96), spec=(False, True), drafts=(0,), fed=(0,)
-) -> StepCostModel:
+def trained(cost_fn, tokens=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96), spec=(False, True), drafts=(0,)) -> StepCostModel:
     """A cost model that has watched steps of every shape cost exactly `cost_fn(shape)`."""
     model = StepCostModel()
     for _ in range(30):
         for t in tokens:
             for s in spec:
                 for d in drafts:
-                    for f in fed if d else (0,):
-                        shape = StepShape(t, 0, s, d, num_proposer_tokens=f)
-                        model.observe(shape, cost_fn(shape))
+                    shape = StepShape(t, 0, s, d)
+                    model.observe(shape, cost_fn(shape))
     return model
 
 
-def linear(a: float, b: float, c: float = 0.0, draft: float = 0.0, fed: float = 0.0):
-    return lambda s: (
-        a + b * s.num_tokens + (c if s.is_spec else 0.0) + draft * s.num_draft_forwards + fed * s.num_proposer_tokens
-    )
+def linear(a: float, b: float, c: float = 0.0, draft: float = 0.0):
+    return lambda s: a + b * s.num_tokens + (c if s.is_spec else 0.0) + draft * s.num_draft_forwards
 
 
 def decide(policy: SpecPolicy, requests: list[Request], cap: int = 16, budget: int = 256, running=None) -> list[int]:
@@ -335,24 +330,6 @@ def test_probes_stay_within_their_share_of_step_time():
     # Failing probes back off alike (doubling the wait) in both.
     assert len(costly_probes) < len(cheap_probes)
     assert len(costly_probes) * 0.02 / (300 * 0.0501) <= 0.01
-
-
-def test_rows_wait_longest_where_catching_up_alone_spends_the_probe_budget():
-    """A probed row's catch-up feeds the proposer one position for every step it waited,
-    however the rounds are spaced: only the forward's fixed cost shrinks with the wait.
-    Where the catch-up alone costs more than `probe_budget` of a plain step, a row waits
-    the longest (probe_interval x 8, before backoff); where it is cheap, as before."""
-
-    def policy(fed: float) -> SpecPolicy:
-        p = SpecPolicy(SpecConfig(num_speculative_tokens=4, probe_interval=8), "draft_model")
-        p.cost = trained(linear(0.05, 0.0001, draft=0.0005, fed=fed), drafts=(0, 1, 2, 4), fed=(1, 8, 64))
-        return p
-
-    cheap, dear = policy(0.0002), policy(0.001)  # 0.4% and 2% of a 0.0501 s plain step, a position
-    assert cheap.cost.proposer_token_cost == pytest.approx(0.0002, rel=0.05)
-    assert cheap.cost.draft_forward_cost == pytest.approx(0.0005, rel=0.05)
-    assert probe_steps(cheap, 100)[0] == 7
-    assert probe_steps(dear, 100)[0] == 63
 
 
 # -- through the scheduler, with a fake runner -------------------------------------
