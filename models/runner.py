@@ -372,6 +372,7 @@ class ModelRunner:
     def _plan_sampling(self, plan: StepPlan) -> None:
         buf, rows, n_max = plan.buf, plan.rows, plan.n_max
         requests = [rows[i].request for i in plan.sample_rows]
+        position = {row: r for r, row in enumerate(plan.sample_rows)}  # step row -> sampling row
         params = [r.params for r in requests]
         SamplingTensors.plan(params, self.vocab_size, buf, "s")
         buf.ints("num_draft", [plan.num_draft[i] for i in plan.sample_rows])
@@ -387,10 +388,8 @@ class ModelRunner:
                 ids = draft.token_ids if draft is not None else []
                 grid += ids + [0] * (n_max - 1 - len(ids))
             buf.ints("draft_grid", grid)
-            position = {row: r for r, row in enumerate(plan.sample_rows)}
             buf.ints("draft_sample_rows", [position[i] for i in plan.draft_rows])
         if plan.probe_rows:
-            position = {row: r for r, row in enumerate(plan.sample_rows)}
             buf.ints("probe_sample_rows", [position[i] for i in plan.probe_rows])
         plan_penalty_counts(requests, buf, "counts")
         nan_rows = [r for r, i in enumerate(plan.sample_rows) if self._maybe_inject_fault(rows[i], "nan")]

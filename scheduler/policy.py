@@ -659,7 +659,7 @@ class SpecPolicy:
         state = self._state_for(request, lookup)
         if state.draft_probs:
             self.calibration.add(state.draft_probs[:num_drafted], num_accepted)
-        if state.plan_gains:  # the verify the policy planned (not a probe nor a forced draft)
+        if state.plan_gains:  # the verify the policy planned (not a forced draft)
             keep = REALISED_KEEP
             state.planned = keep * state.planned + sum(state.plan_gains[:num_drafted])
             state.realised = keep * state.realised + num_accepted
