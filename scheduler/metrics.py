@@ -30,6 +30,10 @@ Useful PromQL (sum over pods and methods as needed):
     sum(rate(specd_prefix_cache_hits_total[5m]))
       / sum(rate(specd_prefix_cache_queries_total[5m]))
 
+    # how a draft model's or head's paused rows fare: share of probes accepted
+    sum(rate(specd_spec_decode_num_accepted_probes_total[5m]))
+      / sum(rate(specd_spec_decode_num_probes_total[5m]))
+
     # acceptance at draft position p (share of drafts whose token p survived)
     sum by (position) (rate(specd_spec_decode_num_accepted_tokens_per_pos_total[5m]))
       / ignoring(position) group_left sum(rate(specd_spec_decode_num_drafts_total[5m]))
@@ -69,6 +73,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "specd_spec_decode_num_draft_tokens_total": ("counter", ("method",)),
     "specd_spec_decode_num_accepted_tokens_total": ("counter", ("method",)),
     "specd_spec_decode_num_accepted_tokens_per_pos_total": ("counter", ("position",)),
+    "specd_spec_decode_num_probes_total": ("counter", ("method",)),
+    "specd_spec_decode_num_accepted_probes_total": ("counter", ("method",)),
     "specd_engine_steps_total": ("counter", ("mode",)),
     "specd_cost_model_predicted_seconds_total": ("counter", ()),
     "specd_cost_model_observed_seconds_total": ("counter", ()),
@@ -99,6 +105,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
 PHASES = ("prefill", "draft", "verify", "decode")
 MODES = ("spec", "plain")
 SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "prediction")
+PROBING_METHODS = ("draft_model", "eagle")  # their paused rows probe (the others shadow for free)
 
 
 class MetricsObserver:
@@ -142,6 +149,16 @@ class MetricsObserver:
             "specd_spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by draft position (1..K).",
             "position",
+        )
+        self._num_probes = counter(
+            "specd_spec_decode_num_probes",
+            "Probes graded: one unverified token a draft model or head drafted for a row that ran plain.",
+            "method",
+        )
+        self._num_accepted_probes = counter(
+            "specd_spec_decode_num_accepted_probes",
+            "Of those, the ones the row's own token confirmed (a sampled row's: its chance of acceptance).",
+            "method",
         )
         self._steps = counter("specd_engine_steps", "Engine steps by mode.", "mode")
         self._predicted = counter(
@@ -208,6 +225,9 @@ class MetricsObserver:
         for method in spec_methods:
             for counter in (self._num_drafts, self._num_draft_tokens, self._num_accepted_tokens):
                 counter.labels(model, method)
+            if method in PROBING_METHODS:
+                self._num_probes.labels(model, method)
+                self._num_accepted_probes.labels(model, method)
         for position in range(1, num_speculative_tokens + 1):
             self._accepted_per_pos.labels(model, str(position))
         for mode in MODES:
@@ -248,6 +268,9 @@ class MetricsObserver:
 
         for method, counts in stats.spec.items():
             self._observe_spec(method, counts)
+        for method, (graded, accepted) in stats.probes.items():
+            self._num_probes.labels(model, method).inc(graded)
+            self._num_accepted_probes.labels(model, method).inc(accepted)
         for index, num_accepted in enumerate(stats.accepted_per_position):
             self._accepted_per_pos.labels(model, str(index + 1)).inc(num_accepted)
         for phase, seconds in stats.phase_seconds.items():

@@ -54,6 +54,7 @@ class StepRecorder:
         self._timing: dict[str, _Timing] = {}
         # The scheduler's cumulative counters when last reported: (cache queries, cache hits, preemptions).
         self._reported = (0, 0, 0)
+        self._probes_reported = (0, 0.0)  # the policy's probes graded and accepted, when last reported
         # Samples from published outputs, waiting for the next `step` or `idle`.
         self._pending = StepStats(0.0, 0, "plain")
 
@@ -122,6 +123,7 @@ class StepRecorder:
             stats.predicted_seconds = check.predicted_seconds
             stats.expected_tokens = check.expected_tokens
             stats.emitted_tokens = check.emitted_tokens
+        stats.probes = self._probes()
         for row in batch.rows:
             request = row.request
             # A request's first chunk starts after its cached prefix; a preempted one was counted before.
@@ -140,6 +142,14 @@ class StepRecorder:
             "num_draft_tokens": t.num_draft_tokens,
             "num_accepted_tokens": t.num_accepted_tokens,
         }
+
+    def _probes(self) -> dict[str, tuple[int, float]]:
+        """Probes the policy graded since the last report (it grades them; this only counts)."""
+        policy = self.scheduler.policy
+        now = (policy.num_probes, policy.num_probes_accepted)
+        before, self._probes_reported = self._probes_reported, now
+        graded, accepted = now[0] - before[0], now[1] - before[1]
+        return {self.scheduler.proposer: (graded, accepted)} if graded else {}
 
     def idle(self) -> None:
         """No step ran, but requests may have finished (aborts, failures)."""

@@ -352,6 +352,10 @@ class StepStats:
     predicted_seconds: float | None = None
     expected_tokens: float = 0.0
     emitted_tokens: int = 0
+    # Probes graded this step (a draft model's or head's one unverified token for a row that
+    # ran plain), by proposer method: (graded, accepted). A sampled row's probe counts its
+    # chance of acceptance, so `accepted` need not be whole.
+    probes: dict[str, tuple[int, float]] = field(default_factory=dict)
     # For each row that emitted n > 0 tokens after a gap of g seconds since its
     # previous emission: (n, g). Per-token ITL records n samples of g / n.
     token_gaps: list[tuple[int, float]] = field(default_factory=list)

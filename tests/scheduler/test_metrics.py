@@ -29,6 +29,7 @@ def spec_step() -> StepStats:
             "draft_model": SpecCounts(num_drafts=1, num_draft_tokens=2, num_accepted_tokens=1),
         },
         accepted_per_position=[3, 1, 0],
+        probes={"draft_model": (2, 1.5)},
         phase_seconds={"draft": 0.01, "verify": 0.04},
         token_gaps=[(3, 0.3), (1, 0.05), (3, 0.06)],
         finished=[
@@ -100,6 +101,8 @@ def test_series_exist_at_zero_before_the_first_step(observer):
     for phase in ("prefill", "draft", "verify", "decode"):
         assert fams.one("specd_step_seconds_count", phase=phase) == 0
     assert fams.one("specd_spec_decode_num_draft_tokens_total", method="ngram") == 0
+    assert fams.one("specd_spec_decode_num_probes_total", method="eagle") == 0
+    assert fams.one("specd_spec_decode_num_accepted_probes_total", method="draft_model") == 0
     assert not any(s.name.endswith("_created") for s in fams.samples)
 
 
@@ -127,6 +130,8 @@ def test_counters_move_by_the_step_amounts(observer):
     assert fams.one("specd_spec_decode_num_draft_tokens_total", **spec) == 2
     assert fams.one("specd_spec_decode_num_accepted_tokens_total", **spec) == 1
     assert fams.one("specd_spec_decode_num_draft_tokens_total", method="prediction") == 0
+    assert fams.one("specd_spec_decode_num_probes_total", **spec) == 2
+    assert fams.one("specd_spec_decode_num_accepted_probes_total", **spec) == 1.5
     per_pos = [fams.one("specd_spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in (1, 2, 3)]
     assert per_pos == [3, 1, 0]
     # Per-position counts add up to the accepted tokens of all methods.

@@ -77,3 +77,19 @@ def test_an_observer_fault_is_contained(recorded):
 
     recorder.observer = broken
     recorder.idle()  # logs, does not raise
+
+
+def test_probes_the_policy_graded_are_reported_once_by_proposer():
+    seen: list[StepStats] = []
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64), proposer="eagle")
+    recorder = StepRecorder(scheduler, seen.append)
+    request = Request("p", [1, 2, 3], SamplingParams(max_tokens=8, seed=0))
+    batch = Batch(rows=[ScheduledRow(request, [3], 3, sample=True)])
+    step = StepOutput(rows=[RowOutput("p", [5])])
+    scheduler.policy.observe_probe(request, draft_id=5, emitted=5)
+    scheduler.policy.observe_probe(request, draft_id=6, emitted=5, accept=0.25)  # a sampled row's chance
+    recorder.step(batch, step, [], 0.01)
+    recorder.step(batch, step, [], 0.01)  # nothing graded since
+    first, second = seen
+    assert first.probes == {"eagle": (2, pytest.approx(1.25))}
+    assert second.probes == {}
