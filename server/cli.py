@@ -154,7 +154,18 @@ def add_train_draft_parser(commands, config_help: str) -> None:
         "e.g. benchmarks/prompt_sets/chat.jsonl",
     )
     train.add_argument(
-        "--minutes", type=float, default=15.0, help="training time budget, evaluations included [default: 15]"
+        "--total-minutes",
+        type=float,
+        default=20.0,
+        help="the whole run's time budget: answering the prompts stops at half of it (answers cut short are "
+        "kept as far as they got), and training gets what answering and recording leave [default: 20]",
+    )
+    train.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="training time budget, evaluations included, instead of what --total-minutes leaves "
+        "[default: what it leaves]",
     )
     train.add_argument(
         "--epochs",
@@ -201,7 +212,7 @@ def add_train_draft_parser(commands, config_help: str) -> None:
     train.add_argument(
         "--batch-tokens", type=int, default=4096, help="padded tokens per training minibatch [default: 4096]"
     )
-    train.add_argument("--max-num-seqs", type=int, default=16, help="answers generated at once [default: 16]")
+    train.add_argument("--max-num-seqs", type=int, default=64, help="answers generated at once [default: 64]")
     train.add_argument("--threads", type=int, default=None, help="torch CPU threads [default: torch's]")
     train.add_argument("--seed", type=int, default=0, help="seeds answers, the split, init and order [default: 0]")
     train.add_argument("--config", default=None, help=config_help)
@@ -363,6 +374,7 @@ def train_draft(args: argparse.Namespace) -> int:
             features=args.features,
             held_out=args.held_out,
             threads=args.threads,
+            total_minutes=args.total_minutes,
             data=DataConfig(
                 max_tokens=args.max_tokens,
                 temperature=args.temperature,

@@ -8,6 +8,7 @@ load the target -> generate its answers (specd's engine) -> record its features 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -26,6 +27,13 @@ logger = logging.getLogger("specd.training")
 
 
 FEATURES = ("fused", "last")
+# Answers (the target decoding) may take this share of the whole-run budget. Recording features
+# costs about a third of answering (one forward per sequence instead of one per token, at 2.8x the
+# tokens per second here) and training gets the rest, so a slow machine answers fewer prompts
+# instead of running over; a fast one answers them all and trains longer.
+ANSWER_SHARE = 0.5
+# Training gets at least this share of the budget, whatever the data phases took.
+MIN_TRAIN_SHARE = 0.2
 
 
 @dataclass
@@ -39,6 +47,9 @@ class TrainDraftConfig:
     features: str = "fused"  # fused: a low, a middle and a high layer (EAGLE-3); last: the last hidden state
     held_out: float = 0.1  # share of sequences kept out of training, for the held-out numbers
     eval_k: int = 4  # chain length the acceptance is simulated at
+    # The whole run's budget: answering stops at ANSWER_SHARE of it, and training (unless
+    # `train.minutes` is set) gets what the data phases leave.
+    total_minutes: float = 20.0
     threads: int | None = None  # torch intra-op threads; None: torch's default (the physical cores)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -56,6 +67,10 @@ class TrainDraftConfig:
             raise ValueError("--held-out must be in [0, 1)")
         if self.train.unroll < 1 or self.eval_k < 1:
             raise ValueError("--unroll and the evaluated chain length must be >= 1")
+        if self.total_minutes <= 0:
+            raise ValueError("--total-minutes must be > 0")
+        if self.train.minutes is not None and self.train.minutes <= 0:
+            raise ValueError("--minutes must be > 0")
 
 
 def train_draft(config: TrainDraftConfig) -> dict:
@@ -63,7 +78,8 @@ def train_draft(config: TrainDraftConfig) -> dict:
     if config.threads:
         torch.set_num_threads(config.threads)
     phases: dict[str, float] = {}
-    clock = time.perf_counter()
+    clock = started = time.perf_counter()
+    budget = config.total_minutes * 60
 
     def lap(name: str) -> None:
         nonlocal clock
@@ -80,7 +96,10 @@ def train_draft(config: TrainDraftConfig) -> dict:
     num_layers = text_config(loaded.model.config).num_hidden_layers
     layers = fused_feature_layers(num_layers) if config.features == "fused" else None
     seconds: dict[str, float] = {}  # generate / record, over every prompt set
-    sequences = build_sequences(loaded, prompts, config.data, seconds, layers)
+    # In a seeded random order: answers cut at the deadline leave a sample of every prompt file.
+    shuffled = random.Random(config.data.seed).sample(prompts, len(prompts))
+    deadline = time.monotonic() + ANSWER_SHARE * budget - (time.perf_counter() - started)
+    sequences = build_sequences(loaded, shuffled, config.data, seconds, layers, deadline)
     eval_sets = {name: build_sequences(loaded, ps, config.data, seconds, layers) for name, ps in eval_prompts.items()}
     phases.update({name: round(value / 60, 2) for name, value in seconds.items()})
     clock = time.perf_counter()
@@ -102,7 +121,11 @@ def train_draft(config: TrainDraftConfig) -> dict:
 
     # bf16 matmuls where the target runs in bf16 (`--dtype auto` picks it only where the machine
     # has them natively): 1.5x the steps in the same minutes on an avx512_bf16 CPU.
-    train_config = replace(config.train, bf16_autocast=loaded.dtype == torch.bfloat16)
+    train_config = replace(
+        config.train,
+        minutes=_training_minutes(config, budget - (time.perf_counter() - started)),
+        bf16_autocast=loaded.dtype == torch.bfloat16,
+    )
     result = train_head(head, train_set, train_config, evaluate)
     lap("train")
     record = {
@@ -121,6 +144,8 @@ def train_draft(config: TrainDraftConfig) -> dict:
             "final_loss": result.final_loss,
             "final_top1": result.final_top1,
             "threads": torch.get_num_threads(),
+            "budget_minutes": round(train_config.minutes, 2) if train_config.minutes is not None else None,
+            "total_minutes": config.total_minutes,
         },
         "held_out": result.curve[-1] if result.curve else {},
         "held_out_curve": result.curve,
@@ -137,6 +162,25 @@ def train_draft(config: TrainDraftConfig) -> dict:
     return record
 
 
+def _training_minutes(config: TrainDraftConfig, seconds_left: float) -> float:
+    """`--minutes` if given, else what the whole-run budget has left (at least its MIN_TRAIN_SHARE)."""
+    if config.train.minutes is not None:
+        return config.train.minutes
+    floor = MIN_TRAIN_SHARE * config.total_minutes
+    minutes = max(seconds_left / 60, floor)
+    if seconds_left / 60 < floor:
+        logger.warning(
+            "the data phases left %.1f of the %g-minute budget; training takes %.1f minutes anyway "
+            "(fewer prompts or a lower --max-tokens keep a run within it)",
+            max(seconds_left / 60, 0.0),
+            config.total_minutes,
+            minutes,
+        )
+    else:
+        logger.info("training for %.1f minutes: what the %g-minute budget leaves", minutes, config.total_minutes)
+    return minutes
+
+
 def _data_record(
     files: list[Path],
     prompts: list[TrainingPrompt],
@@ -148,6 +192,7 @@ def _data_record(
         # The shipped set by its place in specd (no machine's paths in a head that gets shared).
         "prompt_files": [f"specd:training/prompts/{f.name}" if f.parent == SHIPPED_DIR else str(f) for f in files],
         "prompts": len(prompts),
+        "prompts_answered": len(train_set) + len(held_out),  # within the answering budget
         "sequences_train": len(train_set),
         "sequences_held_out": len(held_out),
         "tokens_train": sum(len(s.token_ids) for s in train_set),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -257,3 +258,47 @@ def test_the_policy_starts_from_the_proposers_own_acceptance_record():
     assert AsyncEngine(Recorded(), config, inline=True).scheduler.policy.config.prior_rates == (0.27, 0.24)
     pinned = SchedulerConfig(max_num_seqs=1, max_model_len=64, eos_token_ids=[0], spec=SpecConfig(prior_rates=(0.5,)))
     assert AsyncEngine(Recorded(), pinned, inline=True).scheduler.policy.config.prior_rates == (0.5,)
+
+
+class SlowRunner:
+    """The runner, with every step taking at least `seconds` (a slow machine)."""
+
+    def __init__(self, runner, seconds: float):
+        self.runner, self.seconds = runner, seconds
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def execute(self, batch):
+        time.sleep(self.seconds)
+        return self.runner.execute(batch)
+
+
+def test_run_offline_stops_at_its_deadline_and_keeps_what_came(tiny_llama_dir):
+    target, runner = make_runner(tiny_llama_dir, max_num_seqs=2)
+    ids = target.tokenizer("The quick brown fox").input_ids
+
+    def request(name: str, n: int) -> Request:
+        return Request(name, ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+
+    # Two slots: "short" ends within a few steps and "late" takes its slot; the two long ones run
+    # ~50 of their 200 steps by the deadline; "never" waits behind them.
+    requests = [request("short", 3), request("long", 200), request("late", 200), request("never", 3)]
+    finished: list[str] = []
+    completions = run_offline(
+        SlowRunner(runner, 0.02),
+        sched_config(target, max_num_seqs=2),
+        requests,
+        on_finished=lambda c: finished.append(c.request_id),
+        deadline=time.monotonic() + 1.0,
+    )
+    by_id = {c.request_id: c for c in completions}
+    answer = hf_greedy(load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu")), ids, 200)
+    assert [c.request_id for c in completions] == ["short", "long", "late", "never"]  # the requests' order
+    assert finished == ["short"] and by_id["short"].finish_reason is FinishReason.LENGTH
+    assert by_id["short"].token_ids == answer[:3]
+    for name in ("long", "late"):
+        cut = by_id[name]
+        assert cut.finish_reason is FinishReason.ABORT and 0 < len(cut.token_ids) < 200
+        assert cut.token_ids == answer[: len(cut.token_ids)]  # a prefix of its answer
+    assert by_id["never"].finish_reason is FinishReason.ABORT and by_id["never"].token_ids == []

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from models.eagle_head import fused_feature_layers
-from training.data import TOP_K, Sequence, build_draft_vocab, coverage, length_groups, record_features, split_held_out
+from training.data import (
+    TOP_K,
+    DataConfig,
+    Sequence,
+    build_draft_vocab,
+    build_sequences,
+    coverage,
+    length_groups,
+    record_features,
+    split_held_out,
+    top_k_next,
+)
+from training.prompts import TrainingPrompt
 
 
 def fake_sequence(ids: list[int], targets: list[int]) -> Sequence:
@@ -31,6 +45,22 @@ def test_answers_are_the_targets_greedy_tokens_and_features_are_its_last_hidden_
         # Greedy answers: each answer token is the target's argmax at the position before it.
         answer = slice(s.prompt_len - 1, len(s.token_ids) - 1)
         assert torch.equal(s.token_ids[s.prompt_len :], s.target_next[answer])
+
+
+def test_answering_past_its_deadline_leaves_out_the_prompts_it_never_reached(tiny_loaded):
+    prompts = [TrainingPrompt(text=f"Say {w}.") for w in "abc"]
+    assert build_sequences(tiny_loaded, prompts, DataConfig(max_tokens=4), deadline=time.monotonic()) == []
+
+
+def test_top_k_next_is_the_softmax_top_k_whatever_the_chunk(tiny_loaded):
+    lm_head = tiny_loaded.model.get_output_embeddings()
+    hidden = torch.randn(10, tiny_loaded.model.config.hidden_size)
+    with torch.inference_mode():
+        ids, probs = top_k_next(lm_head, hidden, rows=3)
+        reference_probs, reference_ids = lm_head(hidden).softmax(-1).topk(TOP_K, dim=-1)
+    assert torch.equal(ids, reference_ids)
+    torch.testing.assert_close(probs, reference_probs)
+    assert torch.equal(ids, top_k_next(lm_head, hidden)[0])
 
 
 def test_record_features_batches_unequal_lengths_like_one_at_a_time(tiny_loaded):
