@@ -131,7 +131,8 @@ TRAIN_MINUTES=${TRAIN_MINUTES:-2}
 if [ "$TRAIN_MINUTES" != 0 ]; then
     stamp "train-draft on $DEVICE, $TRAIN_MINUTES min"
     if timeout 420 "$PYTHON" -m server.cli train-draft --device "$DEVICE" --dtype bfloat16 ${MODEL:+--model "$MODEL"} \
-        --out "$OUT_DIR/head" --minutes "$TRAIN_MINUTES" --max-num-seqs 64 > "$OUT_DIR/train_draft.log" 2>&1; then
+        --out "$OUT_DIR/head" --minutes "$TRAIN_MINUTES" --total-minutes 6 --max-num-seqs 64 \
+        > "$OUT_DIR/train_draft.log" 2>&1; then
         serve eagle-trained-here "$DRAFT_CONCURRENCY" --draft eagle --draft-head "$OUT_DIR/head"
     else
         echo "train-draft failed or ran out of time (see $OUT_DIR/train_draft.log)" >&2
