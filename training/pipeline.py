@@ -78,8 +78,8 @@ def train_draft(config: TrainDraftConfig) -> dict:
     if config.threads:
         torch.set_num_threads(config.threads)
     phases: dict[str, float] = {}
-    clock = started = time.perf_counter()
-    budget = config.total_minutes * 60
+    clock = time.perf_counter()
+    end_of_budget = time.monotonic() + config.total_minutes * 60
 
     def lap(name: str) -> None:
         nonlocal clock
@@ -98,7 +98,7 @@ def train_draft(config: TrainDraftConfig) -> dict:
     seconds: dict[str, float] = {}  # generate / record, over every prompt set
     # In a seeded random order: answers cut at the deadline leave a sample of every prompt file.
     shuffled = random.Random(config.data.seed).sample(prompts, len(prompts))
-    deadline = time.monotonic() + ANSWER_SHARE * budget - (time.perf_counter() - started)
+    deadline = end_of_budget - (1 - ANSWER_SHARE) * config.total_minutes * 60
     sequences = build_sequences(loaded, shuffled, config.data, seconds, layers, deadline)
     eval_sets = {name: build_sequences(loaded, ps, config.data, seconds, layers) for name, ps in eval_prompts.items()}
     phases.update({name: round(value / 60, 2) for name, value in seconds.items()})
@@ -123,7 +123,7 @@ def train_draft(config: TrainDraftConfig) -> dict:
     # has them natively): 1.5x the steps in the same minutes on an avx512_bf16 CPU.
     train_config = replace(
         config.train,
-        minutes=_training_minutes(config, budget - (time.perf_counter() - started)),
+        minutes=_training_minutes(config, end_of_budget - time.monotonic()),
         bf16_autocast=loaded.dtype == torch.bfloat16,
     )
     result = train_head(head, train_set, train_config, evaluate)
