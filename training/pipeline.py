@@ -52,7 +52,8 @@ class TrainDraftConfig:
     total_minutes: float = 20.0
     threads: int | None = None  # torch intra-op threads; None: torch's default (the physical cores)
     data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    # minutes=None: training gets what `total_minutes` leaves, as `specd train-draft` does by default
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(minutes=None))
 
     def __post_init__(self) -> None:
         if not self.shipped_prompts and not self.prompt_files:
@@ -121,11 +122,8 @@ def train_draft(config: TrainDraftConfig) -> dict:
 
     # bf16 matmuls where the target runs in bf16 (`--dtype auto` picks it only where the machine
     # has them natively): 1.5x the steps in the same minutes on an avx512_bf16 CPU.
-    train_config = replace(
-        config.train,
-        minutes=_training_minutes(config, end_of_budget - time.monotonic()),
-        bf16_autocast=loaded.dtype == torch.bfloat16,
-    )
+    minutes = _training_minutes(config, end_of_budget - time.monotonic())
+    train_config = replace(config.train, minutes=minutes, bf16_autocast=loaded.dtype == torch.bfloat16)
     result = train_head(head, train_set, train_config, evaluate)
     lap("train")
     record = {
@@ -144,7 +142,7 @@ def train_draft(config: TrainDraftConfig) -> dict:
             "final_loss": result.final_loss,
             "final_top1": result.final_top1,
             "threads": torch.get_num_threads(),
-            "budget_minutes": round(train_config.minutes, 2) if train_config.minutes is not None else None,
+            "budget_minutes": round(minutes, 2),
             "total_minutes": config.total_minutes,
         },
         "held_out": result.curve[-1] if result.curve else {},

@@ -43,8 +43,8 @@ logger = logging.getLogger("specd.training")
 
 @dataclass
 class TrainConfig:
-    # Time budget for the optimisation, evaluations included; None: none (then `epochs` ends it;
-    # train-draft fills it in from what its whole-run budget leaves).
+    # Time budget for the optimisation, evaluations included. None only on its way to train-draft,
+    # which fills it in from what its whole-run budget leaves; train_head needs a number.
     minutes: float | None = 15.0
     epochs: float | None = None  # stop after this many passes over the data, if sooner
     batch_tokens: int = 4096  # padded tokens per minibatch (rows x longest sequence)
@@ -88,13 +88,10 @@ def train_head(
     if not batches:
         raise ValueError("no training sequences")
     total_steps = math.ceil(config.epochs * len(batches)) if config.epochs else None
-    if config.minutes is None and config.epochs is None:
-        raise ValueError("train_head needs a time budget (minutes) or a number of epochs")
-    budget = math.inf if config.minutes is None else config.minutes * 60
-    if config.eval_every_minutes:
-        eval_every = 60 * config.eval_every_minutes
-    else:  # five points over the run
-        eval_every = budget / 5 if config.minutes is not None else math.inf
+    if config.minutes is None:
+        raise ValueError("train_head needs a time budget (TrainConfig.minutes)")
+    budget = config.minutes * 60
+    eval_every = 60 * (config.eval_every_minutes or config.minutes / 5)
     index = draft_index(head.draft_vocab, head.vocab_size)
     device = head.fc.weight.device.type
     optimizer = torch.optim.AdamW(
