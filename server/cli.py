@@ -210,7 +210,7 @@ def add_train_draft_parser(commands, config_help: str) -> None:
     )
     train.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW) [default: 0.001]")
     train.add_argument(
-        "--batch-tokens", type=int, default=4096, help="padded tokens per training minibatch [default: 4096]"
+        "--batch-tokens", type=int, default=2048, help="padded tokens per training minibatch [default: 2048]"
     )
     train.add_argument("--max-num-seqs", type=int, default=64, help="answers generated at once [default: 64]")
     train.add_argument("--threads", type=int, default=None, help="torch CPU threads [default: torch's]")
