@@ -16,8 +16,8 @@ def tiny_loaded(tiny_llama_dir):
 
 @pytest.fixture(scope="session")
 def tiny_sequences(tiny_loaded):
-    """Answers of up to 24 tokens to every fifth shipped prompt (about 50)."""
-    prompts = read_prompt_files(shipped_prompt_files())[::5]
+    """Answers of up to 24 tokens to every ninth shipped prompt (about 130)."""
+    prompts = read_prompt_files(shipped_prompt_files())[::9]
     return build_sequences(tiny_loaded, prompts, DataConfig(max_tokens=24, max_num_seqs=16))
 
 
@@ -25,5 +25,5 @@ def tiny_sequences(tiny_loaded):
 def cycle_sequences(cycle_model_dir):
     """The cycle model's answers (its cycle, over and over): a target whose next feature is learnable exactly."""
     loaded = load_model(ModelConfig(model=str(cycle_model_dir), dtype="float32", device="cpu"))
-    prompts = read_prompt_files(shipped_prompt_files())[::8]
+    prompts = read_prompt_files(shipped_prompt_files())[::14]
     return loaded, build_sequences(loaded, prompts, DataConfig(max_tokens=24, max_num_seqs=16))
