@@ -1,16 +1,18 @@
 """Training recipes for a draft head, compared on one set of recorded data.
 
     python -m benchmarks.head_recipes --minutes 6 --data /tmp/recipes.pt \\
-        --recipe base --recipe lr2e-3:lr=0.002 --recipe small-batches:batch_tokens=2048 \\
-        --extra-prompts more.jsonl --recipe more-data:batch_tokens=2048,extra=1
+        --recipe large-batches:batch_tokens=4096 --recipe default --recipe lr2e-3:lr=0.002 \\
+        --extra-prompts more.jsonl --recipe more-data:extra=1
 
 The data phase of `specd train-draft` runs once (the target answers the shipped
 prompts, its features and top-k are recorded) and is cached in `--data`; every
 recipe then trains a fresh head from the same init for the same `--minutes`, so
 the table compares recipes, not machines or draws. A recipe is `NAME` or
 `NAME:key=value,...` with keys of `training.train.TrainConfig` (`lr`,
-`batch_tokens`, `weight_decay`, `unroll`, ...) and `extra=1`, which adds the
-answers to `--extra-prompts` files to the training set. Every recipe is scored on
+`batch_tokens`, `weight_decay`, `unroll`, `soft_targets`, ...; booleans as
+true/false) and `extra=true`, which adds the answers to `--extra-prompts`
+files to the training set. The cache remembers the model, dtype, seed and
+extra prompt files it was recorded with and is refused for others. Every recipe is scored on
 the same held-out tenth of the shipped prompts' answers and on the target's
 answers to the benchmark's chat, code and creative prompts (never trained on):
 drafts accepted per verify at K = `--k`, greedy chains as `training.evaluate`
@@ -39,7 +41,25 @@ from training.prompts import read_prompt_files, shipped_prompt_files
 from training.train import TrainConfig, train_head
 
 EVAL_SETS = ("chat", "code", "creative")
-TRAIN_KEYS = {f.name: f.type for f in fields(TrainConfig)}
+# Set by the run, not by a recipe: the budget and seed are the same for every recipe, autocast follows
+# the target's dtype, no curve is evaluated, and a fused head has no feature-regression target.
+FIXED_KEYS = ("minutes", "seed", "bf16_autocast", "eval_every_minutes", "feature_loss")
+TRAIN_KEYS = [f.name for f in fields(TrainConfig) if f.name not in FIXED_KEYS]
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def parse_value(recipe: str, key: str, value: str, default: object) -> object:
+    """`value` as the type of the field's `default` (bool, int or float)."""
+    if not value:
+        raise ValueError(f"recipe {recipe!r}: {key} has no value")
+    if isinstance(default, bool):
+        if value.lower() not in TRUE + FALSE:
+            raise ValueError(f"recipe {recipe!r}: {key} must be true or false, not {value!r}")
+        return value.lower() in TRUE
+    try:
+        return int(value) if isinstance(default, int) else float(value)
+    except ValueError:
+        raise ValueError(f"recipe {recipe!r}: {key}={value!r} is not a number") from None
 
 
 def parse_recipe(spec: str) -> tuple[str, dict, bool]:
@@ -50,12 +70,12 @@ def parse_recipe(spec: str) -> tuple[str, dict, bool]:
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         if key == "extra":
-            extra = value not in ("0", "false", "")
-        elif key in TRAIN_KEYS and key not in ("minutes", "seed", "bf16_autocast"):
-            current = getattr(TrainConfig(), key)
-            overrides[key] = type(current)(value) if current is not None else float(value)
+            extra = bool(parse_value(name, key, value, False))
+        elif key in TRAIN_KEYS:
+            default = getattr(TrainConfig(), key)
+            overrides[key] = parse_value(name, key, value, 0.0 if default is None else default)
         else:
-            raise ValueError(f"recipe {name!r}: unknown key {key!r}")
+            raise ValueError(f"recipe {name!r}: unknown key {key!r} (one of extra, {', '.join(TRAIN_KEYS)})")
     return name, overrides, extra
 
 
@@ -72,16 +92,21 @@ def record(loaded: LoadedModel, layers: list[int], extra_files: list[Path], seed
     return {"shipped": shipped, "extra": extra, "eval": evals, "layers": layers}
 
 
+def cache_key(loaded: LoadedModel, extra_files: list[Path], seed: int) -> dict:
+    return {"model": loaded.model_id, "dtype": str(loaded.dtype), "seed": seed,
+            "extra_prompts": sorted(str(p.resolve()) for p in extra_files)}  # fmt: skip
+
+
 def run_recipe(
     loaded: LoadedModel, data: dict, held_out: list[Sequence], train: list[Sequence], name: str, overrides: dict,
-    extra: bool, minutes: float, k: int,
+    extra: bool, minutes: float, k: int, seed: int = 0,
 ) -> dict:  # fmt: skip
     sequences = train + (data["extra"] if extra else [])
     draft_vocab = build_draft_vocab(sequences, min(8192, loaded.vocab_size), loaded.vocab_size)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)  # the same init for every recipe
     head = new_head(loaded.model, draft_vocab, data["layers"])
     head.requires_grad_(True)
-    config = replace(TrainConfig(minutes=minutes, bf16_autocast=loaded.dtype == torch.bfloat16), **overrides)
+    config = replace(TrainConfig(minutes=minutes, seed=seed, bf16_autocast=loaded.dtype == torch.bfloat16), **overrides)
     result = train_head(head, sequences, config)
     row = {
         "recipe": name,
@@ -115,25 +140,30 @@ def main(argv: list[str] | None = None) -> None:
     recipes = [parse_recipe(spec) for spec in args.recipe]
     loaded = load_model(ModelConfig(model=args.model, dtype=args.dtype))
     layers = fused_feature_layers(text_config(loaded.model.config).num_hidden_layers)
+    key = cache_key(loaded, args.extra_prompts, args.seed)
     if args.data is not None and args.data.exists():
         data = torch.load(args.data, weights_only=False)
+        if data.get("key") != key:
+            raise SystemExit(f"{args.data} was recorded for {data.get('key')}, not {key}: remove it or pick another")
     else:
         started = time.perf_counter()
-        data = record(loaded, layers, args.extra_prompts, args.seed)
+        data = {**record(loaded, layers, args.extra_prompts, args.seed), "key": key}
         print(f"recorded the data in {time.perf_counter() - started:.0f}s")
         if args.data is not None:
             torch.save(data, args.data)
     if any(extra for *_, extra in recipes) and not data["extra"]:
-        raise SystemExit("a recipe asks for extra=1, but the data holds no --extra-prompts answers")
+        raise SystemExit("a recipe asks for extra=true, but no --extra-prompts were given")
     train, held_out = split_held_out(data["shipped"], 0.1, args.seed)
     rows = [
-        run_recipe(loaded, data, held_out, train, name, overrides, extra, args.minutes, args.k)
+        run_recipe(loaded, data, held_out, train, name, overrides, extra, args.minutes, args.k, args.seed)
         for name, overrides, extra in recipes
     ]
     headers = ["recipe", "answer tokens", "steps", "held out", *EVAL_SETS, "benchmark, all"]
     print(f"\ndrafts accepted per verify at K = {args.k}, {args.minutes:g} minutes of training each ({loaded.dtype})\n")
-    cells = [[r["recipe"], r["answer_tokens"], r["steps"], r["held_out"], *(r[s] for s in EVAL_SETS)] for r in rows]
-    print(table(headers, [row + [r["benchmark_all"]] for row, r in zip(cells, rows)]))
+    scores = ["held_out", *EVAL_SETS, "benchmark_all"]  # three decimals: recipes differ in the second
+    print(
+        table(headers, [[r["recipe"], r["answer_tokens"], r["steps"], *(f"{r[s]:.3f}" for s in scores)] for r in rows])
+    )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
 
