@@ -37,6 +37,7 @@ from models.kv_cache import text_config
 from models.loader import LoadedModel, ModelConfig, load_model
 from training.data import DataConfig, Sequence, build_draft_vocab, build_sequences, split_held_out
 from training.evaluate import chain_acceptance
+from training.pipeline import TrainDraftConfig
 from training.prompts import read_prompt_files, shipped_prompt_files
 from training.train import TrainConfig, train_head
 
@@ -102,7 +103,8 @@ def run_recipe(
     extra: bool, minutes: float, k: int, seed: int = 0,
 ) -> dict:  # fmt: skip
     sequences = train + (data["extra"] if extra else [])
-    draft_vocab = build_draft_vocab(sequences, min(8192, loaded.vocab_size), loaded.vocab_size)
+    size = min(TrainDraftConfig.draft_vocab, loaded.vocab_size)  # train-draft's default vocabulary
+    draft_vocab = build_draft_vocab(sequences, size, loaded.vocab_size)
     torch.manual_seed(seed)  # the same init for every recipe
     head = new_head(loaded.model, draft_vocab, data["layers"])
     head.requires_grad_(True)
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.save(data, args.data)
     if any(extra for *_, extra in recipes) and not data["extra"]:
         raise SystemExit("a recipe asks for extra=true, but no --extra-prompts were given")
-    train, held_out = split_held_out(data["shipped"], 0.1, args.seed)
+    train, held_out = split_held_out(data["shipped"], TrainDraftConfig.held_out, args.seed)
     rows = [
         run_recipe(loaded, data, held_out, train, name, overrides, extra, args.minutes, args.k, args.seed)
         for name, overrides, extra in recipes
