@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.common import table
 from models.builder import ProposerConfig, build_runner
+from models.forward import cache_kwargs
 from models.linear_kernels import UNTUNED, ModelKernels, install_model
 from models.loader import LoadedModel
 from models.runner import ModelRunner, RunnerConfig
@@ -135,14 +136,16 @@ def time_hf_forward(model: LoadedModel, context: int, new: int, repeats: int) ->
     model.model.set_attn_implementation("sdpa")  # transformers' default path, not ours
     try:
         cache = DynamicCache(config=model.model.config)
-        model.model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+        model.model(input_ids=ids[:, :context], **cache_kwargs(model.model, cache), use_cache=True)
         times = []
         for i in range(repeats + 1):
             if i:
                 cache.crop(-new)  # drop the last forward's tokens
             _sync(model.device)
             start = time.perf_counter()
-            model.model(input_ids=ids[:, context:], past_key_values=cache, use_cache=True, logits_to_keep=new)
+            model.model(
+                input_ids=ids[:, context:], **cache_kwargs(model.model, cache), use_cache=True, logits_to_keep=new
+            )
             _sync(model.device)
             times.append(time.perf_counter() - start)
     finally:

@@ -35,6 +35,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from models.forward import cache_kwargs
 from models.kv_cache import text_config
 from models.linear_kernels import (
     PADDED,
@@ -226,7 +227,7 @@ class EagleHead(nn.Module):
         if not batched:
             x, positions = x[None], position_ids[None]  # [1, T, H]
         cos_sin = self.rotary(x, positions)
-        out = self.layer(x, position_ids=positions, cache=cache, use_cache=cache is not None,
+        out = self.layer(x, position_ids=positions, **cache_kwargs(self.layer, cache), use_cache=cache is not None,
                          position_embeddings=cos_sin, **attention_kwargs)  # fmt: skip
         out = out[0] if isinstance(out, tuple) else out
         return out if batched else out[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -12,6 +13,28 @@ from models.kv_cache import KVCache, StepLayout, text_config
 # Config fields of models whose logits are not plain `lm_head(h)` (Gemma's softcap, Cohere's and
 # Granite's scales): `forward_with_hidden` would get them wrong, so a head cannot serve them.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def cache_kwargs(module, cache) -> dict:
+    """`{name: cache}` for `module(...)`, under the name its forward takes the KV cache by.
+
+    Recent transformers call it `cache` and only warn on `past_key_values`; earlier 5.x
+    releases (5.17, on the GPU image) know only `past_key_values`, and there a `cache=` falls
+    into `**kwargs` unread, so attention sees the step's own keys instead of the pool."""
+    return {_cache_keyword(type(module)): cache}
+
+
+_CACHE_KEYWORDS: dict[type, str] = {}
+
+
+def _cache_keyword(cls: type[torch.nn.Module]) -> str:
+    if cls not in _CACHE_KEYWORDS:
+        parameters = inspect.signature(cls.forward).parameters
+        names = [name for name in ("cache", "past_key_values") if name in parameters]
+        if not names:
+            raise TypeError(f"{cls.__name__}.forward takes no KV cache argument (`cache` or `past_key_values`)")
+        _CACHE_KEYWORDS[cls] = names[0]
+    return _CACHE_KEYWORDS[cls]
 
 
 @torch.inference_mode()
@@ -29,7 +52,7 @@ def forward_step(
         out = model(
             input_ids=input_ids[None],
             position_ids=layout.token_pos[None],
-            cache=cache,
+            **cache_kwargs(model, cache),
             use_cache=True,
             logits_to_keep=keep,
             specd_layout=layout,
@@ -55,7 +78,7 @@ def forward_with_hidden(
         out = decoder(
             input_ids=input_ids[None],
             position_ids=layout.token_pos[None],
-            cache=cache,
+            **cache_kwargs(decoder, cache),
             use_cache=True,
             specd_layout=layout,
         )

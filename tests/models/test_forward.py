@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from models.forward import cache_kwargs
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache
 from tests.support.tensors import packed_forward, read_kv, slot_table
 
@@ -230,3 +231,25 @@ def test_forward_with_hidden_gives_the_same_logits_and_the_final_hidden_states(m
     torch.testing.assert_close(hidden[5:], full[2], atol=TOL, rtol=0)
     for layer in range(len(cache.keys)):
         torch.testing.assert_close(cache.keys[layer], other.keys[layer], atol=1e-6, rtol=0)
+
+
+class _NewNames(torch.nn.Module):
+    def forward(self, input_ids, cache=None, use_cache=False, **kwargs): ...
+
+
+class _OldNames(torch.nn.Module):
+    def forward(self, input_ids, past_key_values=None, use_cache=False, **kwargs): ...
+
+
+class _NoCache(torch.nn.Module):
+    def forward(self, input_ids, **kwargs): ...
+
+
+def test_cache_goes_under_the_name_the_forward_takes():
+    # transformers 5.25 names it `cache`; 5.17 (the GPU image's) only `past_key_values`, and an
+    # unknown `cache=` there would fall into **kwargs unread.
+    pool = object()
+    assert cache_kwargs(_NewNames(), pool) == {"cache": pool}
+    assert cache_kwargs(_OldNames(), pool) == {"past_key_values": pool}
+    with pytest.raises(TypeError, match="no KV cache argument"):
+        cache_kwargs(_NoCache(), pool)
