@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# The benchmarks on one GPU, offline, in about 8 minutes (12 with step 4):
+# The benchmarks on one GPU, offline, inside a time budget (BUDGET_SECONDS, 480 by default):
 #   1. memory bandwidth (a torch device-to-device copy) and the target's bf16
 #      weight bytes: the bandwidth floor of one decode step;
-#   2. the engine step (benchmarks.engine_bench --section step: ms per step by
-#      batch shape, host transfers and CUDA syncs per step) and the batch-size
-#      sweep (--section batch);
-#   3. the serving benchmark, speculation off / on / auto, for the target with
-#      the n-gram proposer, with a draft cut from it by benchmarks/make_draft.py,
-#      and with an EAGLE draft head when one is given (or bundled for the default model);
-#   4. `specd train-draft` on the GPU for TRAIN_MINUTES (data from the target, training,
-#      held-out acceptance), then the serving benchmark with that head;
-#   5. a short table, printed last.
+#   then the stages named in STAGES, in that order, each bounded by its own timeout and by
+#   what is left of the budget (a stage that would get under 30 s is skipped):
+#   heads   batch 1 on held-out chat, code and creative prompts (engine_bench --section draft):
+#           the EAGLE head against n-gram and off, acceptance per position, tokens per verify;
+#   eagle   the serving benchmark, speculation off / on / auto, with an EAGLE draft head
+#           (DRAFT_HEAD, or the bundled one for the default model);
+#   ngram   the same with the n-gram proposer;
+#   batch   the engine batch-size sweep (benchmarks.engine_bench --section batch);
+#   step    the engine step (--section step: ms per step by batch shape, host transfers
+#           and CUDA syncs per step);
+#   draft   the serving benchmark with a draft cut from the target by benchmarks/make_draft.py;
+#   train   `specd train-draft` on the GPU for TRAIN_MINUTES (data from the target, training,
+#           held-out acceptance), then the serving benchmark with that head;
+#   and last a short table.
 #
 #   bash benchmarks/gpu_run.sh [OUT_DIR]          # default benchmarks/results/gpu-<date>
 #
@@ -18,12 +23,15 @@
 #   PYTHON        interpreter with torch + specd's dependencies [.venv/bin/python, else python3]
 #   MODEL         target: directory, .gguf file or Hub id in the local HF cache [bundled SmolLM2-135M-Instruct]
 #   DEVICE        cuda, cuda:N or cpu (cpu only to try this script out) [cuda]
+#   STAGES        comma-separated, run in this order [heads,eagle,ngram,batch,step,draft,train]
+#   BUDGET_SECONDS  wall-clock budget of the whole script [480]
 #   DRAFT_LAYERS  layers kept in the draft [8]
 #   DRAFT_HEAD    EAGLE head directory for the target [models/heads/smollm2-135m-instruct if MODEL is unset
-#                 and it exists; else the eagle run is skipped]
-#   TRAIN_MINUTES training budget of the GPU-trained head; 0 skips step 4 [2]
+#                 and it exists; else the eagle stage is skipped]
+#   TRAIN_MINUTES training budget of the GPU-trained head [2]
 #   MAX_TOKENS    tokens per request [128]
-#   CONCURRENCY   serving levels, n-gram run [1,2,4,8,16,32]; the draft run uses DRAFT_CONCURRENCY [1,4,16]
+#   CONCURRENCY   serving levels of the eagle and n-gram stages [1,2,4,8,16,32]; the draft and
+#                 trained-head stages use DRAFT_CONCURRENCY [1,4,16]
 #   WHEELS        folder of wheels to install (no network) into a private folder before starting
 # Nothing is downloaded: HF_HUB_OFFLINE=1.
 set -euo pipefail
@@ -36,11 +44,25 @@ DRAFT_LAYERS=${DRAFT_LAYERS:-8}
 MAX_TOKENS=${MAX_TOKENS:-128}
 CONCURRENCY=${CONCURRENCY:-1,2,4,8,16,32}
 DRAFT_CONCURRENCY=${DRAFT_CONCURRENCY:-1,4,16}
+STAGES=${STAGES:-heads,eagle,ngram,batch,step,draft,train}
+BUDGET_SECONDS=${BUDGET_SECONDS:-480}
+TRAIN_MINUTES=${TRAIN_MINUTES:-2}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR"
 START=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - START ))s] $*" >&2; }
+# bounded SECONDS CMD...: run CMD under `timeout`, SECONDS or what is left of the budget if less;
+# returns 124 without running it when under 30 s would be left.
+bounded() {
+    local want=$1 left=$(( BUDGET_SECONDS - ($(date +%s) - START) ))
+    shift
+    if [ "$left" -lt 30 ]; then
+        echo "skipped, ${left}s of the ${BUDGET_SECONDS}s budget left: $*" >&2
+        return 124
+    fi
+    timeout $(( want < left ? want : left )) "$@"
+}
 
 if [ -n "${WHEELS:-}" ]; then
     stamp "installing wheels from $WHEELS"
@@ -92,52 +114,69 @@ print(f"weights {weight_bytes / 1e6:.0f} MB (bf16), copy bandwidth {bandwidth / 
       f"floor {record['floor_ms']:.3f} ms per decode step")
 EOF
 
-if "$PYTHON" -m benchmarks.engine_bench --help | grep -q -- "--device"; then
-    stamp "engine step: time, host transfers and device syncs per step"
-    timeout 120 "$PYTHON" -m benchmarks.engine_bench --section step --dtypes bfloat16 --device "$DEVICE" \
-        ${MODEL:+--model "$MODEL"} --json "$OUT_DIR/engine_step.json" | tee "$OUT_DIR/engine_step.md" \
-        || echo "engine step benchmark failed or ran out of time" >&2
-    stamp "engine batch-size sweep"
-    timeout 150 "$PYTHON" -m benchmarks.engine_bench --section batch --dtypes bfloat16 --device "$DEVICE" \
-        --batch-sizes 1,4,8,16,32 --max-tokens "$MAX_TOKENS" ${MODEL:+--model "$MODEL"} \
-        --json "$OUT_DIR/engine_batch.json" | tee "$OUT_DIR/engine_batch.md" \
-        || echo "engine sweep failed or ran out of time" >&2
-else
-    echo "benchmarks.engine_bench has no --device flag yet: engine sweep skipped" >&2
-fi
-
 serve() {  # serve NAME CONCURRENCY [specd flags...]
     local name=$1 levels=$2
     shift 2
     stamp "serving benchmark: $name"
-    timeout 240 "$PYTHON" -m benchmarks.serve_bench --device "$DEVICE" --dtype bfloat16 ${MODEL:+--model "$MODEL"} \
+    bounded 240 "$PYTHON" -m benchmarks.serve_bench --device "$DEVICE" --dtype bfloat16 ${MODEL:+--model "$MODEL"} \
         --concurrency "$levels" --max-tokens "$MAX_TOKENS" --max-seconds 30 --out-dir "$OUT_DIR/$name" "$@" \
         > /dev/null || echo "serving benchmark $name failed or ran out of time" >&2
 }
-serve ngram "$CONCURRENCY" --draft ngram
-DRAFT_DIR=$("$PYTHON" -c "import sys; from benchmarks.make_draft import make_layer_draft; \
-print(make_layer_draft(sys.argv[1] or None, int(sys.argv[2])))" "${MODEL:-}" "$DRAFT_LAYERS")
-serve "draft${DRAFT_LAYERS}L" "$DRAFT_CONCURRENCY" --draft-model "$DRAFT_DIR"
+
 DRAFT_HEAD=${DRAFT_HEAD:-}
 if [ -z "$DRAFT_HEAD" ] && [ -z "${MODEL:-}" ] && [ -d models/heads/smollm2-135m-instruct ]; then
     DRAFT_HEAD=models/heads/smollm2-135m-instruct
 fi
-if [ -n "$DRAFT_HEAD" ]; then
-    serve eagle "$DRAFT_CONCURRENCY" --draft eagle --draft-head "$DRAFT_HEAD"
-else
-    echo "no EAGLE draft head for this target (DRAFT_HEAD): eagle run skipped" >&2
-fi
-TRAIN_MINUTES=${TRAIN_MINUTES:-2}
-if [ "$TRAIN_MINUTES" != 0 ]; then
-    stamp "train-draft on $DEVICE, $TRAIN_MINUTES min"
-    if timeout 420 "$PYTHON" -m server.cli train-draft --device "$DEVICE" --dtype bfloat16 ${MODEL:+--model "$MODEL"} \
-        --out "$OUT_DIR/head" --minutes "$TRAIN_MINUTES" --total-minutes 6 --max-num-seqs 64 \
-        > "$OUT_DIR/train_draft.log" 2>&1; then
-        serve eagle-trained-here "$DRAFT_CONCURRENCY" --draft eagle --draft-head "$OUT_DIR/head"
-    else
-        echo "train-draft failed or ran out of time (see $OUT_DIR/train_draft.log)" >&2
-    fi
-fi
+
+for stage in ${STAGES//,/ }; do
+    case $stage in
+    heads)
+        if [ -n "$DRAFT_HEAD" ]; then
+            stamp "batch 1, held-out prompts: EAGLE head, n-gram, off"
+            bounded 150 "$PYTHON" -m benchmarks.engine_bench --section draft --dtypes bfloat16 --device "$DEVICE" \
+                --draft-head "$DRAFT_HEAD" --max-tokens "$MAX_TOKENS" ${MODEL:+--model "$MODEL"} \
+                --json "$OUT_DIR/engine_draft.json" | tee "$OUT_DIR/engine_draft.md" \
+                || echo "held-out draft benchmark failed or ran out of time" >&2
+        else
+            echo "no EAGLE draft head for this target (DRAFT_HEAD): heads stage skipped" >&2
+        fi ;;
+    eagle)
+        if [ -n "$DRAFT_HEAD" ]; then
+            serve eagle "$CONCURRENCY" --draft eagle --draft-head "$DRAFT_HEAD"
+        else
+            echo "no EAGLE draft head for this target (DRAFT_HEAD): eagle stage skipped" >&2
+        fi ;;
+    ngram)
+        serve ngram "$CONCURRENCY" --draft ngram ;;
+    batch)
+        stamp "engine batch-size sweep"
+        bounded 150 "$PYTHON" -m benchmarks.engine_bench --section batch --dtypes bfloat16 --device "$DEVICE" \
+            --batch-sizes 1,4,8,16,32 --max-tokens "$MAX_TOKENS" ${MODEL:+--model "$MODEL"} \
+            --json "$OUT_DIR/engine_batch.json" | tee "$OUT_DIR/engine_batch.md" \
+            || echo "engine sweep failed or ran out of time" >&2 ;;
+    step)
+        stamp "engine step: time, host transfers and device syncs per step"
+        bounded 120 "$PYTHON" -m benchmarks.engine_bench --section step --dtypes bfloat16 --device "$DEVICE" \
+            ${MODEL:+--model "$MODEL"} --json "$OUT_DIR/engine_step.json" | tee "$OUT_DIR/engine_step.md" \
+            || echo "engine step benchmark failed or ran out of time" >&2 ;;
+    draft)
+        DRAFT_DIR=$("$PYTHON" -c "import sys; from benchmarks.make_draft import make_layer_draft; \
+print(make_layer_draft(sys.argv[1] or None, int(sys.argv[2])))" "${MODEL:-}" "$DRAFT_LAYERS")
+        serve "draft${DRAFT_LAYERS}L" "$DRAFT_CONCURRENCY" --draft-model "$DRAFT_DIR" ;;
+    train)
+        stamp "train-draft on $DEVICE, $TRAIN_MINUTES min"
+        if bounded 420 "$PYTHON" -m server.cli train-draft --device "$DEVICE" --dtype bfloat16 \
+            ${MODEL:+--model "$MODEL"} --out "$OUT_DIR/head" --minutes "$TRAIN_MINUTES" --total-minutes 6 \
+            --max-num-seqs 64 > "$OUT_DIR/train_draft.log" 2>&1; then
+            serve eagle-trained-here "$DRAFT_CONCURRENCY" --draft eagle --draft-head "$OUT_DIR/head"
+        else
+            echo "train-draft failed or ran out of time (see $OUT_DIR/train_draft.log)" >&2
+        fi ;;
+    *)
+        echo "unknown stage $stage (stages: heads, eagle, ngram, batch, step, draft, train)" >&2
+        exit 2 ;;
+    esac
+done
 
 stamp "summary"
 "$PYTHON" - "$OUT_DIR" <<'EOF'
@@ -165,6 +204,13 @@ for path in reports:
     for run in json.loads(path.read_text())["runs"]:
         if run["mode"] == "off" and run["load"] == 1 and run["tpot_ms"]:
             lines.append(f"| serving ({path.parent.name}), c=1, spec off: TPOT p50 | {run['tpot_ms']['p50']:.2f} |")
+heads = out / "engine_draft.json"
+if heads.exists():
+    lines += ["", "| held-out set | config | tok/s | vs off | accepted / verify |", "|---|---|---|---|---|"]
+    for rec in json.loads(heads.read_text()):
+        mean = rec["mean_accepted_per_verify"]
+        lines.append(f"| {rec['set']} | {rec['config']} | {rec['tps']:.0f} | {rec['vs_off']:.2f} | "
+                     f"{'-' if mean is None else f'{mean:.2f}'} |")
 lines += ["", "| proposer | load | off tok/s | on tok/s | auto tok/s | on / off | auto / best | accept (on) |",
           "|---|---|---|---|---|---|---|---|"]
 for path in reports:
