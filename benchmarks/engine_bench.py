@@ -29,7 +29,7 @@ from benchmarks.draft_bench import draft_section
 from benchmarks.loop_bench import LoopConfig, loop_section
 from benchmarks.make_draft import make_layer_draft
 from benchmarks.prompts import KINDS
-from benchmarks.step_bench import kernel_section, step_section
+from benchmarks.step_bench import kernel_section, profile_section, step_section
 
 
 def batch_section(
@@ -139,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--section",
-        choices=["batch", "spec", "step", "kernels", "draft", "loop", "all"],
+        choices=["batch", "spec", "step", "kernels", "profile", "draft", "loop", "all"],
         default="all",
         help="[all: all but kernels, draft and loop]",
     )
@@ -184,6 +184,10 @@ def main() -> None:
             text, rec = spec_section(
                 dtype, args.max_tokens, args.model, args.draft_layers, args.device, args.draft_head
             )
+            print(text + "\n", flush=True)
+            records += rec
+        if args.section == "profile":
+            text, rec = profile_section(load(dtype, args.model, args.device), dtype)
             print(text + "\n", flush=True)
             records += rec
         if args.section == "kernels":

@@ -4,14 +4,16 @@
 #      weight bytes: the bandwidth floor of one decode step;
 #   then the stages named in STAGES, in that order, each bounded by its own timeout and by
 #   what is left of the budget (a stage that would get under 30 s is skipped):
+#   step    the engine step (engine_bench --section step: ms per step by batch shape beside
+#           transformers' own forward, host transfers and CUDA syncs per step);
+#   profile torch.profiler over batch-1 and batch-16 decode steps (engine_bench --section
+#           profile): the operators by host and device time, for a step far above its floor;
 #   heads   batch 1 on held-out chat, code and creative prompts (engine_bench --section draft):
 #           the EAGLE head against n-gram and off, acceptance per position, tokens per verify;
 #   eagle   the serving benchmark, speculation off / on / auto, with an EAGLE draft head
 #           (DRAFT_HEAD, or the bundled one for the default model);
 #   ngram   the same with the n-gram proposer;
 #   batch   the engine batch-size sweep (benchmarks.engine_bench --section batch);
-#   step    the engine step (--section step: ms per step by batch shape, host transfers
-#           and CUDA syncs per step);
 #   draft   the serving benchmark with a draft cut from the target by benchmarks/make_draft.py;
 #   train   `specd train-draft` on the GPU for TRAIN_MINUTES (data from the target, training,
 #           held-out acceptance), then the serving benchmark with that head;
@@ -23,7 +25,7 @@
 #   PYTHON        interpreter with torch + specd's dependencies [.venv/bin/python, else python3]
 #   MODEL         target: directory, .gguf file or Hub id in the local HF cache [bundled SmolLM2-135M-Instruct]
 #   DEVICE        cuda, cuda:N or cpu (cpu only to try this script out) [cuda]
-#   STAGES        comma-separated, run in this order [heads,eagle,ngram,batch,step,draft,train]
+#   STAGES        comma-separated, run in this order [step,profile,heads,eagle,ngram,batch,draft,train]
 #   BUDGET_SECONDS  wall-clock budget of the whole script [480]
 #   DRAFT_LAYERS  layers kept in the draft [8]
 #   DRAFT_HEAD    EAGLE head directory for the target [models/heads/smollm2-135m-instruct if MODEL is unset
@@ -44,7 +46,7 @@ DRAFT_LAYERS=${DRAFT_LAYERS:-8}
 MAX_TOKENS=${MAX_TOKENS:-128}
 CONCURRENCY=${CONCURRENCY:-1,2,4,8,16,32}
 DRAFT_CONCURRENCY=${DRAFT_CONCURRENCY:-1,4,16}
-STAGES=${STAGES:-heads,eagle,ngram,batch,step,draft,train}
+STAGES=${STAGES:-step,profile,heads,eagle,ngram,batch,draft,train}
 BUDGET_SECONDS=${BUDGET_SECONDS:-480}
 TRAIN_MINUTES=${TRAIN_MINUTES:-2}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -159,10 +161,18 @@ for stage in ${STAGES//,/ }; do
         bounded 120 "$PYTHON" -m benchmarks.engine_bench --section step --dtypes bfloat16 --device "$DEVICE" \
             ${MODEL:+--model "$MODEL"} --json "$OUT_DIR/engine_step.json" | tee "$OUT_DIR/engine_step.md" \
             || echo "engine step benchmark failed or ran out of time" >&2 ;;
+    profile)
+        stamp "engine step profile"
+        bounded 90 "$PYTHON" -m benchmarks.engine_bench --section profile --dtypes bfloat16 --device "$DEVICE" \
+            ${MODEL:+--model "$MODEL"} --json "$OUT_DIR/engine_profile.json" > "$OUT_DIR/engine_profile.md" \
+            || echo "engine step profile failed or ran out of time" >&2 ;;
     draft)
-        DRAFT_DIR=$("$PYTHON" -c "import sys; from benchmarks.make_draft import make_layer_draft; \
-print(make_layer_draft(sys.argv[1] or None, int(sys.argv[2])))" "${MODEL:-}" "$DRAFT_LAYERS")
-        serve "draft${DRAFT_LAYERS}L" "$DRAFT_CONCURRENCY" --draft-model "$DRAFT_DIR" ;;
+        if DRAFT_DIR=$(bounded 120 "$PYTHON" -c "import sys; from benchmarks.make_draft import make_layer_draft; \
+print(make_layer_draft(sys.argv[1] or None, int(sys.argv[2])))" "${MODEL:-}" "$DRAFT_LAYERS"); then
+            serve "draft${DRAFT_LAYERS}L" "$DRAFT_CONCURRENCY" --draft-model "$DRAFT_DIR"
+        else
+            echo "no layer draft made: draft stage skipped" >&2
+        fi ;;
     train)
         stamp "train-draft on $DEVICE, $TRAIN_MINUTES min"
         if bounded 420 "$PYTHON" -m server.cli train-draft --device "$DEVICE" --dtype bfloat16 \
@@ -173,7 +183,7 @@ print(make_layer_draft(sys.argv[1] or None, int(sys.argv[2])))" "${MODEL:-}" "$D
             echo "train-draft failed or ran out of time (see $OUT_DIR/train_draft.log)" >&2
         fi ;;
     *)
-        echo "unknown stage $stage (stages: heads, eagle, ngram, batch, step, draft, train)" >&2
+        echo "unknown stage $stage (stages: step, profile, heads, eagle, ngram, batch, draft, train)" >&2
         exit 2 ;;
     esac
 done
@@ -204,6 +214,15 @@ for path in reports:
     for run in json.loads(path.read_text())["runs"]:
         if run["mode"] == "off" and run["load"] == 1 and run["tpot_ms"]:
             lines.append(f"| serving ({path.parent.name}), c=1, spec off: TPOT p50 | {run['tpot_ms']['p50']:.2f} |")
+profile = out / "engine_profile.json"
+if profile.exists():
+    lines += ["", "| profiled case | operator | calls / step | host ms / step | device ms / step |",
+              "|---|---|---|---|---|"]
+    for rec in json.loads(profile.read_text()):
+        case = f"{rec['case']} ({rec['ms_per_step']:.2f} ms/step, operators {rec['host_op_ms_per_step']:.2f})"
+        for op in rec["ops"][:6]:
+            lines.append(f"| {case} | {op['name']} | {op['calls_per_step']:.0f} | "
+                         f"{op['self_cpu_ms_per_step']:.2f} | {op['self_device_ms_per_step']:.2f} |")
 heads = out / "engine_draft.json"
 if heads.exists():
     lines += ["", "| held-out set | config | tok/s | vs off | accepted / verify |", "|---|---|---|---|---|"]

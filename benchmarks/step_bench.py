@@ -256,6 +256,61 @@ def kernel_section(target: LoadedModel, dtype: str, repeats: int = 7) -> tuple[s
     return text, records
 
 
+def profile_section(target: LoadedModel, dtype: str, steps: int = 20, top: int = 25) -> tuple[str, list[dict]]:
+    """Where a step's time goes: `torch.profiler` over `steps` steps of batch-1 and batch-16 decode,
+    the operators by self CPU time (host: Python, dispatch, kernel launches, syncs) and, on a GPU,
+    by device time. A step far above its bandwidth floor on a GPU is host-bound; this says on what."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = build_runner(target, RunnerConfig(max_num_seqs=NUM_SLOTS, max_model_len=MAX_LEN), ProposerConfig("ngram"))
+    vocab, ctx = target.vocab_size, 300
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    texts, records = [], []
+    cases = [
+        ("batch 1 decode", [decode_row("d", ctx, 0, vocab, consecutive=True)]),
+        ("batch 16 decode", [decode_row(f"k{i}", ctx, i, vocab) for i in range(16)]),
+    ]
+    for name, rows in cases:
+        batch = Batch(rows=rows)
+        for _ in range(3):  # warm-up (allocations, kernel selection)
+            runner.execute(batch)
+        wall = statistics.median(execute_seconds(runner, batch) for _ in range(steps))
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                runner.execute(batch)
+            _sync(runner.device)
+        averages = prof.key_averages()
+        by_cpu = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+        op_ms = sum(e.self_cpu_time_total for e in averages) / 1e3 / steps  # the rest is Python
+        lines = [
+            f"#### {name}: {wall * 1e3:.2f} ms per step unprofiled (median of {steps}); "
+            f"operators' own host time {op_ms:.2f} ms per step (profiled)",
+            "",
+        ]
+        lines.append(averages.table(sort_by="self_cpu_time_total", row_limit=top))
+        if runner.device.type == "cuda":
+            lines.append(averages.table(sort_by="self_device_time_total", row_limit=top // 2))
+        texts.append("\n".join(lines))
+        records.append(
+            {
+                "dtype": dtype,
+                "case": name,
+                "ms_per_step": wall * 1e3,
+                "host_op_ms_per_step": op_ms,
+                "ops": [
+                    {
+                        "name": e.key,
+                        "calls_per_step": e.count / steps,
+                        "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                        "self_device_ms_per_step": getattr(e, "self_device_time_total", 0) / 1e3 / steps,
+                    }
+                    for e in by_cpu
+                ],
+            }
+        )
+    return f"### Step profile ({dtype}, {runner.device})\n\n" + "\n\n".join(texts), records
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
