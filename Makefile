@@ -8,7 +8,7 @@ PORT   ?= 8000
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint bench bench-engine bench-serve soak clean
+.PHONY: install serve test test-fast test-compat lint bench bench-engine bench-serve soak clean
 
 install: $(STAMP)
 
@@ -29,6 +29,18 @@ test: install
 # The model and scheduler packages alone (tiny models, no servers): the quick loop.
 test-fast: install
 	$(BIN)/python -m pytest -q tests/models tests/scheduler -m "not smollm2"
+
+# The engine and training on the oldest transformers specd is known to run with (the GPU
+# image's, where a renamed forward keyword once broke every step), installed beside .venv's.
+COMPAT_SPEC ?= transformers==5.17.0 huggingface_hub==1.33.0
+COMPAT_SITE := $(VENV)/compat-site
+test-compat: install
+	@test -d $(COMPAT_SITE) || $(BIN)/pip install -q --no-deps --target $(COMPAT_SITE) $(COMPAT_SPEC)
+	@# The run must really see that version, not .venv's.
+	PYTHONPATH=$(COMPAT_SITE) $(BIN)/python -c "import sys, transformers as t; \
+		want = '$(word 1,$(COMPAT_SPEC))'.split('==')[1]; print('transformers', t.__version__); \
+		sys.exit(t.__version__ != want)"
+	PYTHONPATH=$(COMPAT_SITE) $(BIN)/python -m pytest -q -m "not smollm2" -p no:cacheprovider tests/models tests/training
 
 # ruff (lint + format) and mypy, as CI runs them before the tests.
 lint: install
