@@ -30,7 +30,7 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q tests/models tests/scheduler -m "not smollm2"
 
-# The engine and training on the oldest transformers specd is known to run with (the GPU
+# The engine and training on the oldest transformers specd supports (pyproject's lower bound, the GPU
 # image's, where a renamed forward keyword once broke every step), installed beside .venv's.
 COMPAT_SPEC ?= transformers==5.17.0 huggingface_hub==1.33.0
 COMPAT_SITE := $(VENV)/compat-site
