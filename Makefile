@@ -32,14 +32,14 @@ test-fast: install
 
 # The engine and training on the oldest transformers specd supports (pyproject's lower bound, the GPU
 # image's, where a renamed forward keyword once broke every step), installed beside .venv's.
-COMPAT_SPEC ?= transformers==5.17.0 huggingface_hub==1.33.0
-COMPAT_SITE := $(VENV)/compat-site
+COMPAT_TRANSFORMERS ?= 5.17.0
+COMPAT_SPEC := transformers==$(COMPAT_TRANSFORMERS) huggingface_hub==1.33.0
+COMPAT_SITE := $(VENV)/compat-site-$(COMPAT_TRANSFORMERS)
 test-compat: install
 	@test -d $(COMPAT_SITE) || $(BIN)/pip install -q --no-deps --target $(COMPAT_SITE) $(COMPAT_SPEC)
 	@# The run must really see that version, not .venv's.
-	PYTHONPATH=$(COMPAT_SITE) $(BIN)/python -c "import sys, transformers as t; \
-		want = '$(word 1,$(COMPAT_SPEC))'.split('==')[1]; print('transformers', t.__version__); \
-		sys.exit(t.__version__ != want)"
+	PYTHONPATH=$(COMPAT_SITE) $(BIN)/python -c "import sys, transformers as t; print('transformers', t.__version__); \
+		sys.exit(t.__version__ != '$(COMPAT_TRANSFORMERS)')"
 	PYTHONPATH=$(COMPAT_SITE) $(BIN)/python -m pytest -q -m "not smollm2" -p no:cacheprovider tests/models tests/training
 
 # ruff (lint + format) and mypy, as CI runs them before the tests.
