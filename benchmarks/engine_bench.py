@@ -159,6 +159,20 @@ def main() -> None:
         "--waves", default="3", help="loop section: requests queued per slot, comma-separated (2: the run is half tail)"
     )
     parser.add_argument("--loop-modes", default="off,on,auto", help="loop section: speculation modes [off,on,auto]")
+    parser.add_argument(
+        "--loop-lengths",
+        choices=["fixed", "natural"],
+        default="fixed",
+        help="loop section: fixed: every request generates --max-tokens (ignore_eos); natural: each stops at "
+        "its end of sequence, up to --max-tokens (greedy: the same tokens in every mode, lengths that differ)",
+    )
+    parser.add_argument(
+        "--length-range-ratio",
+        type=float,
+        default=0.0,
+        help="loop section: each request's max tokens drawn uniformly in --max-tokens x [1 - R, 1 + R], the "
+        "same in every mode (vLLM's --random-range-ratio): lengths that differ, the same tokens [0: all equal]",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the records here")
     args = parser.parse_args()
 
@@ -211,6 +225,8 @@ def main() -> None:
                 num_speculative_tokens=5 if args.draft_head else 10,
                 waves=tuple(int(x) for x in args.waves.split(",")),
                 modes=tuple(args.loop_modes.split(",")),
+                lengths=args.loop_lengths,
+                length_range_ratio=args.length_range_ratio,
             )
             text, rec = loop_section(load(dtype, args.model, args.device), dtype, loop)
             print(text + "\n", flush=True)

@@ -7,10 +7,19 @@
 n requests run at once out of `waves` x n queued (a finished request's slot goes
 to the next one at the following step), chat prompts from `benchmarks/prompt_sets`
 taken in turn from each set, greedy, `ignore_eos`, so every mode emits the
-same tokens. Each mode runs on a fresh engine (the policy starts cold, as a
-new server would); modes are interleaved within a round, their order rotated
-between rounds, and a ratio is the median over rounds of the ratio measured
-inside one round, since this machine's speed drifts by 10-30% over minutes.
+same tokens. With equal lengths `off` keeps every slot in lock step to the
+end, and a mode that finishes some requests early ends its run on a tail of
+emptier steps; two ways to lengths that differ, as real requests' do:
+`length_range_ratio` r draws each request's max_tokens once, uniformly in
+max_tokens x [1 - r, 1 + r] (vLLM's benchmark does the same), and
+`lengths="natural"` stops each request at its end of sequence (max_tokens
+still caps it; greedy decoding is lossless, so every mode emits the same
+tokens, but a small model's long answers repeat themselves, which drafts
+well: a different workload, not only a different length). Each mode runs on
+a fresh engine (the policy starts cold, as a new server would); modes are
+interleaved within a round, their order rotated between rounds, and a ratio
+is the median over rounds of the ratio measured inside one round, since this
+machine's speed drifts by 10-30% over minutes.
 Per mode: tok/s, engine steps, rows per step (the batch's mean occupancy),
 draft tokens and accepted ones.
 
@@ -32,6 +41,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from benchmarks.common import chat_ids, table
+from benchmarks.lengths import max_tokens_per_request
 from benchmarks.serve_bench import load_prompts
 from models.builder import ProposerConfig, build_runner
 from models.loader import LoadedModel
@@ -56,6 +66,10 @@ class LoopConfig:
     num_speculative_tokens: int = 10
     waves: tuple[int, ...] = (3,)  # requests queued per slot: few make the run mostly its tail
     modes: tuple[str, ...] = tuple(MODES)
+    lengths: Literal["fixed", "natural"] = "fixed"  # natural: stop at end of sequence
+    # Each request's max_tokens drawn once, uniformly in max_tokens x [1 - r, 1 + r] (as vLLM's
+    # benchmark's --random-range-ratio): the same in every mode, so the loop does not move in lock step.
+    length_range_ratio: float = 0.0
 
 
 class CountingExecutor:
@@ -100,7 +114,7 @@ def _prompts(target: LoadedModel, sets: tuple[str, ...], total: int) -> list[lis
 
 
 def _run(runner: ModelRunner, target: LoadedModel, prompts: list[list[int]], n: int, mode: str, cfg: LoopConfig):
-    max_len = max(len(p) for p in prompts) + cfg.max_tokens + cfg.num_speculative_tokens + 8
+    max_len = max(len(p) for p in prompts) + 2 * cfg.max_tokens + cfg.num_speculative_tokens + 8
     config = SchedulerConfig(
         max_num_seqs=n,
         max_model_len=max_len,
@@ -108,8 +122,13 @@ def _run(runner: ModelRunner, target: LoadedModel, prompts: list[list[int]], n: 
         eos_token_ids=target.eos_token_ids,
         spec=SpecConfig(num_speculative_tokens=cfg.num_speculative_tokens),
     )
-    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0, ignore_eos=True, speculation=MODES[mode])
-    requests = [Request(f"{mode}-{i}", p, params) for i, p in enumerate(prompts)]
+    caps = max_tokens_per_request(len(prompts), cfg.max_tokens, cfg.length_range_ratio)
+    requests = [
+        Request(f"{mode}-{i}", p, SamplingParams(max_tokens=cap, temperature=0, ignore_eos=cfg.lengths == "fixed",
+                                                 speculation=MODES[mode]))
+        for i, (p, cap) in enumerate(zip(prompts, caps))
+    ]  # fmt: skip
+    cap_of = {r.request_id: cap for r, cap in zip(requests, caps)}
     executor = CountingExecutor(runner)
     start = time.perf_counter()
     done = run_offline(executor, config, requests)
@@ -121,6 +140,7 @@ def _run(runner: ModelRunner, target: LoadedModel, prompts: list[list[int]], n: 
         "rows_per_step": executor.rows / max(executor.steps, 1),
         "drafted": sum(c.num_draft_tokens for c in done),
         "accepted": sum(c.num_accepted_tokens for c in done),
+        "at_max_tokens": sum(len(c.token_ids) == cap_of[c.request_id] for c in done),  # natural: ran to the cap
         "timed": executor.timed,
     }
 
@@ -165,21 +185,26 @@ def loop_section(target: LoadedModel, dtype: str, cfg: LoopConfig) -> tuple[str,
                     runs[mode].append(_run(runner, target, prompts, n, mode, cfg))
             _price(runs)
             measured = _ratios(runs, lambda a, b: a["tps"] / b["tps"])
-            modeled = _ratios(runs, lambda a, b: b["modeled_s"] / a["modeled_s"])
+            # Tokens per modeled second: with natural lengths, bf16's batch-dependent rounding can
+            # end a request a few tokens apart between modes.
+            modeled = _ratios(runs, lambda a, b: (a["tokens"] / a["modeled_s"]) / (b["tokens"] / b["modeled_s"]))
             for mode in modes:
                 median = {k: statistics.median(run[k] for run in runs[mode]) for k in runs[mode][0]}
                 is_auto = mode == "auto"
-                rows.append([n, waves, mode, median["tps"], median["modeled_s"], median["steps"],
-                             median["rows_per_step"], median["drafted"], median["accepted"], median["model_fit"],
+                rows.append([n, waves, mode, median["tps"], median["tokens"], median["at_max_tokens"],
+                             median["modeled_s"], median["steps"], median["rows_per_step"], median["drafted"],
+                             median["accepted"], median["model_fit"],
                              measured.get("auto/best") if is_auto else None,
                              modeled.get("auto/best") if is_auto else None])  # fmt: skip
-                records.append({"dtype": dtype, "sets": list(cfg.sets), "requests": n, "waves": waves,
-                                "mode": mode, **median, **(measured if is_auto else {}),
+                records.append({"dtype": dtype, "sets": list(cfg.sets), "lengths": cfg.lengths, "requests": n,
+                                "waves": waves, "mode": mode, **median, **(measured if is_auto else {}),
                                 **({f"{k} modeled": v for k, v in modeled.items()} if is_auto else {})})  # fmt: skip
-    headers = ["requests", "waves", "mode", "tok/s", "modeled s", "steps", "rows/step", "drafted", "accepted",
-               "model fit", "auto / better fixed", "modeled: auto / better fixed"]  # fmt: skip
+    headers = ["requests", "waves", "mode", "tok/s", "tokens", "at max tokens", "modeled s", "steps", "rows/step",
+               "drafted", "accepted", "model fit", "auto / better fixed", "modeled: auto / better fixed"]  # fmt: skip
     text = (
-        f"### Closed loop ({dtype}, {'+'.join(cfg.sets)}, {cfg.method}, {cfg.max_tokens} tokens, "
+        f"### Closed loop ({dtype}, {'+'.join(cfg.sets)}, {cfg.method}, "
+        f"{'up to ' if cfg.lengths == 'natural' else ''}{cfg.max_tokens} tokens"
+        f"{f' x [{1 - cfg.length_range_ratio:g}, {1 + cfg.length_range_ratio:g}]' if cfg.length_range_ratio else ''}, "
         f"waves x n requests, median of {cfg.rounds} rounds)\n\n" + table(headers, rows)
     )
     return text, records

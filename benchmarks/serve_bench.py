@@ -11,8 +11,13 @@ One specd process serves every mode: each request picks its mode with the
 `speculation` field (off: false, on: true, auto: field left out, so the
 server's default policy decides). Requests are streamed chat completions,
 greedy, `ignore_eos` and a fixed `max_tokens`, so every mode generates the
-same tokens. Token counts come from the usage the server attaches to every
-chunk (`stream_options.continuous_usage_stats`); acceptance and the share of
+same tokens. Equal lengths keep a closed loop in lock step, which favours `off`
+(`benchmarks.lengths`); `--length-range-ratio R` draws each request's
+`max_tokens` in max_tokens x [1 - R, 1 + R], the same in every mode, and
+`--lengths natural` lets each request stop at its end of sequence (greedy
+decoding is lossless, so the modes still generate the same tokens). Token
+counts come from the usage the server attaches to every chunk
+(`stream_options.continuous_usage_stats`); acceptance and the share of
 speculative steps are deltas of the server's Prometheus counters around each
 run, so a server used by anyone else meanwhile skews them.
 
@@ -51,6 +56,7 @@ from urllib.parse import urlparse
 
 import httpx
 
+from benchmarks.lengths import max_tokens_for
 from tests.support.metrics import Metrics, wait_idle
 from tests.support.server import ServerError, SpecdServer, serve_args
 
@@ -146,6 +152,7 @@ def server_args(args: argparse.Namespace) -> list[str]:
 class RequestResult:
     prompt_id: str
     start: float
+    max_tokens: int = 0  # what the request asked for
     end: float = 0.0
     ok: bool = False
     error: str | None = None
@@ -159,13 +166,15 @@ class RequestResult:
     text: str = ""  # the reply (a multi-turn client sends it back)
 
 
-def request_body(model: str, prompt: Prompt, mode: str, max_tokens: int, cache_salt: str | None = None) -> dict:
+def request_body(
+    model: str, prompt: Prompt, mode: str, max_tokens: int, cache_salt: str | None = None, ignore_eos: bool = True
+) -> dict:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt.text}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
-        "ignore_eos": True,
+        "ignore_eos": ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
@@ -231,7 +240,7 @@ def on_chunk(chunk: dict, now: float, result: RequestResult) -> None:
 
 
 async def timed_send(client: httpx.AsyncClient, body: dict, prompt_id: str, results: list[RequestResult]) -> None:
-    result = RequestResult(prompt_id, time.perf_counter())
+    result = RequestResult(prompt_id, time.perf_counter(), body.get("max_tokens", 0))
     results.append(result)
     await send(client, body, result)
 
@@ -254,10 +263,13 @@ async def drive(
     order = itertools.count()
 
     def next_body() -> tuple[dict, str]:
-        prompt = prompts[next(order) % len(prompts)]
+        index = next(order)
+        prompt = prompts[index % len(prompts)]
         # Each (mode, load) its own tenant: what one run cached never warms another; passes share it.
         salt = f"{mode}-{load.kind}-{load.value}" if args.isolate_runs else None
-        return request_body(model, prompt, mode, args.max_tokens, salt), prompt.id
+        ignore_eos = args.lengths == "fixed"
+        max_tokens = max_tokens_for(index, args.max_tokens, args.length_range_ratio)
+        return request_body(model, prompt, mode, max_tokens, salt, ignore_eos), prompt.id
 
     async def worker() -> None:
         while len(results) < load.num_requests:
@@ -352,7 +364,8 @@ def summarize(
         "num_completed": len(done),
         "num_failed": sum(1 for e in errors if not e.startswith("cancelled")),
         "num_cancelled": sum(1 for e in errors if e.startswith("cancelled")),
-        "num_short": sum(1 for r in done if r.num_output_tokens != args.max_tokens),
+        # Short of max_tokens: a fault with fixed lengths, the point of natural ones.
+        "num_short": sum(1 for r in done if r.num_output_tokens != r.max_tokens) if args.lengths == "fixed" else 0,
         "errors": sorted(set(errors))[:5],
         "duration_s": seconds,
         "total_output_tokens": num_output,
@@ -512,7 +525,7 @@ def markdown(report: dict) -> str:
         "## specd serving benchmark\n",
         f"`{meta['model']}`, proposer {spec.get('proposer')}, K={spec.get('num_speculative_tokens')}, "
         f"spec-disable-batch-size {spec.get('spec_disable_batch_size')}; prompts {'+'.join(meta['prompt_sets'])}; "
-        f"{meta['max_tokens']} tokens per request (greedy, ignore_eos); {meta['machine']}, {meta['date']}.\n",
+        f"{length_label(meta)} per request (greedy); {meta['machine']}, {meta['date']}.\n",
     ]
     rows = [[r["mode"], load_label(r), f"{r['num_completed']}/{r['num_requests']}", fmt(r["request_throughput"], 2),
              fmt(r["output_throughput"]), pct(r["ttft_ms"], "p50"), pct(r["tpot_ms"], "p50"), pct(r["itl_ms"], "p50"),
@@ -559,11 +572,21 @@ def tradeoff_markdown(summary: dict) -> list[str]:
     return text
 
 
+def length_label(meta: dict) -> str:
+    ratio = meta.get("length_range_ratio") or 0.0
+    tokens = (
+        f"{meta['max_tokens']} x [{1 - ratio:g}, {1 + ratio:g}] tokens" if ratio else f"{meta['max_tokens']} tokens"
+    )
+    if meta.get("lengths", "fixed") == "fixed":
+        return f"{tokens} (ignore_eos)"
+    return f"up to {tokens} (to end of sequence)"
+
+
 def plot_title(meta: dict) -> str:
     spec = meta["speculation"]
     return (
         f"{meta['model']} ({spec.get('proposer')}, K={spec.get('num_speculative_tokens')}, auto threshold "
-        f"{spec.get('spec_disable_batch_size')}), {meta['max_tokens']} tokens/request, {meta['machine']}"
+        f"{spec.get('spec_disable_batch_size')}), {length_label(meta)}/request, {meta['machine']}"
     )
 
 
@@ -665,6 +688,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num-requests", type=int, help="requests per run [max(8, 2 x concurrency); 16 per rate]")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request [128]")
     g.add_argument(
+        "--lengths",
+        choices=["fixed", "natural"],
+        default="fixed",
+        help="fixed: every request generates --max-tokens (ignore_eos); natural: each stops at its end of "
+        "sequence, up to --max-tokens (greedy: the same tokens in every mode, lengths that differ) [fixed]",
+    )
+    g.add_argument(
+        "--length-range-ratio",
+        type=float,
+        default=0.0,
+        help="request i's max tokens drawn uniformly in --max-tokens x [1 - R, 1 + R], seeded by i, so every "
+        "mode gets the same (vLLM's --random-range-ratio): a closed loop out of lock step [0: all equal]",
+    )
+    g.add_argument(
         "--max-seconds", type=float, default=300, help="per run: requests still running then are cancelled [300]"
     )
     g.add_argument(
@@ -701,6 +738,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown modes {sorted(unknown)}; choose from {','.join(MODES)}")
     if not args.concurrency and not args.request_rate:
         p.error("nothing to run: give --concurrency and/or --request-rate")
+    if not 0.0 <= args.length_range_ratio < 1.0:
+        p.error("--length-range-ratio must be in [0, 1)")
     if args.base_url and urlparse(args.base_url).hostname not in LOOPBACK_HOSTS:
         p.error("--base-url must be a loopback address (127.0.0.1, localhost, ::1)")
     return args
@@ -726,6 +765,8 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_sets": args.prompt_sets,
         "num_prompts": len(prompts),
         "max_tokens": args.max_tokens,
+        "lengths": args.lengths,
+        "length_range_ratio": args.length_range_ratio,
         "modes": args.modes,
         "repeats": args.repeats,
         "server_args": server_args(args) if server else None,

@@ -148,3 +148,25 @@ def test_repeats_rotate_the_modes_order():
     order = serve_bench.rotated_modes(modes, 3)
     assert order == ["off", "on", "auto", "on", "auto", "off", "auto", "off", "on"]
     assert all(sorted(order[i * 3 : i * 3 + 3]) == sorted(modes) for i in range(3))  # each repeat runs each mode once
+
+
+def test_natural_lengths_leave_the_end_of_sequence_to_the_model():
+    prompt = serve_bench.Prompt("p0", "Hello")
+    assert serve_bench.parse_args([]).lengths == "fixed"
+    assert serve_bench.request_body("m", prompt, "auto", 64)["ignore_eos"] is True
+    assert serve_bench.parse_args(["--lengths", "natural"]).lengths == "natural"
+    body = serve_bench.request_body("m", prompt, "off", 64, ignore_eos=False)
+    assert body["ignore_eos"] is False and body["max_tokens"] == 64 and body["speculation"] is False
+    assert serve_bench.length_label({"max_tokens": 64}) == "64 tokens (ignore_eos)"  # reports from before the flag
+    assert serve_bench.length_label({"max_tokens": 64, "lengths": "natural"}) == "up to 64 tokens (to end of sequence)"
+
+
+def test_a_range_ratio_spreads_each_requests_max_tokens_alike_in_every_mode():
+    assert serve_bench.parse_args(["--length-range-ratio", "0.5"]).length_range_ratio == 0.5
+    with pytest.raises(SystemExit):
+        serve_bench.parse_args(["--length-range-ratio", "1"])
+    meta = {"max_tokens": 64, "length_range_ratio": 0.5}
+    assert serve_bench.length_label(meta) == "64 x [0.5, 1.5] tokens (ignore_eos)"
+    assert (
+        serve_bench.length_label({**meta, "lengths": "natural"}) == "up to 64 x [0.5, 1.5] tokens (to end of sequence)"
+    )
