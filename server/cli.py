@@ -26,6 +26,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from scheduler.types import SpeculationMode
+from server import IMPORTED_AT
 from server.config import CONFIG_ENV, ENV_PREFIX, Settings, is_hidden, load_settings
 
 SPECULATION_CHOICES: dict[str, SpeculationMode] = {"auto": "auto", "true": True, "false": False}
@@ -157,8 +158,9 @@ def add_train_draft_parser(commands, config_help: str) -> None:
         "--total-minutes",
         type=float,
         default=20.0,
-        help="the whole run's time budget: answering the prompts stops at half of it (answers cut short are "
-        "kept as far as they got), and training gets what answering and recording leave [default: 20]",
+        help="the whole run's time budget, from the command's start to the saved head: answering the prompts "
+        "stops at half of it (answers cut short are kept as far as they got), and training gets what loading, "
+        "answering and recording leave, its final evaluation included [default: 20]",
     )
     train.add_argument(
         "--minutes",
@@ -392,7 +394,7 @@ def train_draft(args: argparse.Namespace) -> int:
                 seed=args.seed,
             ),
         )
-        run_training(config)
+        run_training(config, started=args.started)
     except (OSError, ValueError) as exc:
         print(f"specd: error: {exc}", file=sys.stderr)
         return 1
@@ -404,6 +406,9 @@ COMMANDS = {"serve": serve, "generate": generate, "train-draft": train_draft}
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # When this process is the command, its budgets (train-draft's --total-minutes) count its imports
+    # too; a caller that runs a command in-process counts from the call.
+    args.started = IMPORTED_AT if argv is None else time.monotonic()
     return COMMANDS[args.command](args)
 
 

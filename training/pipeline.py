@@ -74,13 +74,15 @@ class TrainDraftConfig:
             raise ValueError("--minutes must be > 0")
 
 
-def train_draft(config: TrainDraftConfig) -> dict:
-    """Run everything; returns the training record also stored in the head's config."""
+def train_draft(config: TrainDraftConfig, started: float | None = None) -> dict:
+    """Run everything; returns the training record also stored in the head's config.
+    `total_minutes` counts from `started` (a `time.monotonic()` value; default: now), so a
+    caller that starts the clock before importing torch keeps the whole command in budget."""
     if config.threads:
         torch.set_num_threads(config.threads)
     phases: dict[str, float] = {}
     clock = time.perf_counter()
-    end_of_budget = time.monotonic() + config.total_minutes * 60
+    end_of_budget = (time.monotonic() if started is None else started) + config.total_minutes * 60
 
     def lap(name: str) -> None:
         nonlocal clock

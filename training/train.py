@@ -81,7 +81,9 @@ def train_head(
     evaluate: Callable[[], dict] | None = None,
 ) -> TrainResult:
     """Optimise `head` in place; `evaluate()` (held-out numbers) runs at the start, every
-    `eval_every_minutes` and at the end, and its results make the curve."""
+    `eval_every_minutes` and at the end, and its results make the curve. `minutes` bounds the
+    whole call: training stops while one more step and the final evaluation still fit."""
+    started = time.perf_counter()  # the budget covers building the minibatches too
     if config.feature_loss and head.fuse is not None:
         raise ValueError("a feature loss needs a head over the last hidden state (fused features have no target)")
     torch.manual_seed(config.seed)
@@ -101,14 +103,19 @@ def train_head(
         [p for p in head.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay
     )
     curve: list[dict] = []
-    started = time.perf_counter()
 
     def elapsed() -> float:
         return time.perf_counter() - started
 
+    # The longest step and evaluation so far: the budget keeps room for one more of each.
+    step_seconds = eval_seconds = 0.0
+
     def checkpoint(step: int) -> None:
+        nonlocal eval_seconds
         if evaluate is not None:
-            point = {"minutes": round(elapsed() / 60, 2), "step": step, **evaluate()}
+            begun = elapsed()
+            point = {"minutes": round(begun / 60, 2), "step": step, **evaluate()}
+            eval_seconds = max(eval_seconds, elapsed() - begun)
             curve.append(point)
             logger.info("eval at %.1f min, step %d: %s", point["minutes"], step, point)
 
@@ -118,7 +125,8 @@ def train_head(
     step, loss_avg, top1_avg = 0, float("nan"), float("nan")
     order: list[int] = []
     bar = tqdm(total=total_steps, desc="train", unit="step")
-    while elapsed() < budget and (total_steps is None or step < total_steps):
+    while elapsed() + step_seconds + eval_seconds < budget and (total_steps is None or step < total_steps):
+        begun = elapsed()
         if not order:
             order = list(range(len(batches)))
             rng.shuffle(order)
@@ -137,7 +145,8 @@ def train_head(
         top1_avg = top1 if math.isnan(top1_avg) else 0.95 * top1_avg + 0.05 * top1
         bar.update(1)
         bar.set_postfix(loss=f"{loss_avg:.3f}", top1=f"{top1_avg:.3f}", min=f"{elapsed() / 60:.1f}")
-        if evaluate is not None and elapsed() >= next_eval and elapsed() < budget:
+        step_seconds = max(step_seconds, elapsed() - begun)
+        if evaluate is not None and elapsed() >= next_eval and elapsed() + 2 * eval_seconds < budget:
             checkpoint(step)
             next_eval += eval_every
             head.train()

@@ -129,3 +129,31 @@ def test_bf16_autocast_trains_float32_weights(tiny_loaded, tiny_sequences):
     train_head(head, tiny_sequences, config)
     assert all(p.dtype == torch.float32 for p in head.parameters())
     assert mean_loss(head, tiny_sequences, config) < 0.8 * before
+
+
+def test_the_budget_keeps_room_for_the_last_step_and_the_final_evaluation(tiny_loaded, tiny_sequences, monkeypatch):
+    """On a fake clock (every reading 0.1 s, every evaluation 5 s): training stops while one more
+    step and the final evaluation fit, so the call, that evaluation included, ends within `minutes`."""
+    import training.train as train_module
+
+    clock = {"now": 0.0}
+
+    def perf_counter() -> float:
+        clock["now"] += 0.1
+        return clock["now"]
+
+    def evaluate() -> dict:
+        clock["now"] += 5.0
+        return {"top1": 0.0}
+
+    monkeypatch.setattr(train_module.time, "perf_counter", perf_counter)
+    head = new_head(tiny_loaded.model, build_draft_vocab(tiny_sequences, 64, tiny_loaded.vocab_size))
+    head.requires_grad_(True)
+    start = clock["now"]
+    result = train_head(
+        head, tiny_sequences[:8], TrainConfig(minutes=0.5, batch_tokens=512, eval_every_minutes=10), evaluate
+    )
+    assert clock["now"] - start < 30.0 + 0.6  # + the few readings after the loop, 0.1 s each on this clock
+    assert result.steps > 10 and result.curve[-1]["step"] == result.steps  # it trained, then evaluated
+    # The final evaluation began with its 5 s and about a step left (the curve rounds to 0.01 minute).
+    assert 23.5 < result.curve[-1]["minutes"] * 60 < 25.5
