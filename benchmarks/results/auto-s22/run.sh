@@ -6,18 +6,5 @@
 #   benchmarks/results/auto-s22/run.sh [DTYPE] [REPEATS]
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-DTYPE=${1:-auto}
-OUT=${OUT:-benchmarks/results/auto-s22}
-REPEATS=${2:-2}
-case "$DTYPE" in
-  auto) TAG=$(grep -q avx512_bf16 /proc/cpuinfo && echo bf16 || echo fp32) ;;
-  float32) TAG=fp32 ;;
-  bfloat16) TAG=bf16 ;;
-  *) TAG=$DTYPE ;;
-esac
-for traffic in ${TRAFFIC:-copy:extraction creative:creative mix:extraction,creative}; do
-  name=${traffic%%:*}; sets=${traffic#*:}
-  PYTHONUNBUFFERED=1 .venv/bin/python -m benchmarks.serve_bench --prompt-sets "$sets" \
-    --concurrency 1,2,4,8,16,32 --max-tokens 64 --length-range-ratio 0.5 --max-model-len 2048 --dtype "$DTYPE" \
-    --repeats "$REPEATS" --isolate-runs --out-dir "$OUT/$name-spread-$TAG"
-done
+OUT=${OUT:-benchmarks/results/auto-s22} SUFFIX=-spread \
+  exec benchmarks/results/auto-s6/run.sh "${1:-auto}" "${2:-2}" --length-range-ratio 0.5
