@@ -130,6 +130,7 @@ class StepCostModel:
     _mean: float = 0.0
     _slopes: list[float] = field(default_factory=lambda: [0.0] * _NUM_SLOPES)
     _rises: list[float] = field(default_factory=lambda: [0.0] * _NUM_SLOPES)  # f(knot k) - f(1)
+    _knot_rises: np.ndarray = field(default_factory=lambda: np.zeros(len(KNOTS)))  # the same, at every knot
     # Decayed count of recent plain (non-verify) steps per token bucket [knot, next knot).
     _plain_support: list[float] = field(default_factory=lambda: [0.0] * len(_SUPPORT_KNOTS))
     num_seen: int = 0
@@ -153,6 +154,15 @@ class StepCostModel:
     def _rise(self, num_tokens: int) -> float:
         b = min(_bucket(num_tokens), _NUM_SLOPES - 1)
         return self._rises[b] + self._slopes[b] * max(num_tokens - _KNOT_LIST[b], 0.0)
+
+    def added_tokens_costs(self, num_tokens: int, max_extra: int) -> np.ndarray:
+        """`added_tokens_cost(num_tokens, m)` for every m in 1..max_extra, in one call: the
+        policy prices every prefix of its ranked draft tokens, hundreds a step at 32 rows."""
+        totals = num_tokens + np.arange(1, max_extra + 1, dtype=np.float64)
+        rises = np.interp(totals, KNOTS, self._knot_rises)
+        # Past the last knot f keeps its last slope, as `_rise` does.
+        rises += self._slopes[-1] * np.clip(totals - KNOTS[-1], 0.0, None)
+        return rises - self._rise(num_tokens)
 
     def plain_support(self, num_tokens: int) -> float:
         """How many plain steps of about this size (same power-of-two bucket) the model
@@ -227,6 +237,7 @@ class StepCostModel:
         self.coef = coef
         self._slopes = [float(s) for s in coef[_SLOPES]]
         self._rises = [0.0, *np.cumsum(coef[_SLOPES][:-1] * _WIDTHS[:-1]).tolist()]
+        self._knot_rises = np.concatenate(([0.0], np.cumsum(coef[_SLOPES] * _WIDTHS)))  # f(knot) - f(1)
 
     def summary(self) -> dict:
         c = self.calibration

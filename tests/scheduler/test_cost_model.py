@@ -135,3 +135,18 @@ def test_a_kernel_switch_between_two_token_counts_is_priced_where_it_is():
         assert model.predict(StepShape(tokens)) == pytest.approx(kernel(StepShape(tokens)), rel=0.08)
     assert model.added_tokens_cost(5, 4) < 0.01
     assert model.added_tokens_cost(5, 5) > 0.04
+
+
+def test_every_prefix_of_a_draft_is_priced_in_one_call_as_one_at_a_time():
+    """The policy prices each prefix of its ranked draft tokens with one vectorized call: the same
+    rises as asking token count by token count, across knots and past the last one."""
+    rng = random.Random(3)
+    model = StepCostModel()
+    for _ in range(300):
+        t = rng.choice([1, 3, 9, 17, 40, 200, 3000, 20000])
+        model.observe(StepShape(t, 50 * t), 0.02 + 1e-4 * t + 2e-6 * t * t**0.5 + rng.uniform(0, 1e-3))
+    for start, extra in ((1, 40), (15, 20), (250, 300), (16000, 900), (30000, 5)):
+        batch = model.added_tokens_costs(start, extra)
+        one_by_one = [model.added_tokens_cost(start, m) for m in range(1, extra + 1)]
+        assert batch.tolist() == pytest.approx(one_by_one, rel=1e-9, abs=1e-12)
+    assert len(StepCostModel().added_tokens_costs(4, 3)) == 3  # an unfitted model prices drafts at 0
