@@ -129,8 +129,8 @@ class StepCostModel:
     _xy: np.ndarray = field(default_factory=lambda: np.zeros(_NUM_FEATURES))
     _mean: float = 0.0
     _slopes: list[float] = field(default_factory=lambda: [0.0] * _NUM_SLOPES)
-    _rises: list[float] = field(default_factory=lambda: [0.0] * _NUM_SLOPES)  # f(knot k) - f(1)
-    _knot_rises: np.ndarray = field(default_factory=lambda: np.zeros(len(KNOTS)))  # the same, at every knot
+    _knot_rises: np.ndarray = field(default_factory=lambda: np.zeros(len(KNOTS)))  # f(knot k) - f(1)
+    _rises: list[float] = field(default_factory=lambda: [0.0] * _NUM_SLOPES)  # the same, as a list, per segment
     # Decayed count of recent plain (non-verify) steps per token bucket [knot, next knot).
     _plain_support: list[float] = field(default_factory=lambda: [0.0] * len(_SUPPORT_KNOTS))
     num_seen: int = 0
@@ -147,8 +147,8 @@ class StepCostModel:
         """Seconds `extra` more tokens add to a step of `num_tokens`: f's rise between them.
         Not one slope times `extra`: f need not be convex (on an AVX2 CPU in float32 a
         second token cost ~80 ms over a 1-token step's ~115, the next six almost nothing),
-        so a first draft token can be dear where a whole draft is cheap. Plain Python
-        (the policy asks once per candidate draft token)."""
+        so a first draft token can be dear where a whole draft is cheap. The policy prices
+        every prefix of a draft at once with `added_tokens_costs`."""
         return self._rise(num_tokens + extra) - self._rise(num_tokens)
 
     def _rise(self, num_tokens: int) -> float:
@@ -236,8 +236,8 @@ class StepCostModel:
         coef[_NONNEGATIVE] = np.maximum(coef[_NONNEGATIVE], 0.0)
         self.coef = coef
         self._slopes = [float(s) for s in coef[_SLOPES]]
-        self._rises = [0.0, *np.cumsum(coef[_SLOPES][:-1] * _WIDTHS[:-1]).tolist()]
-        self._knot_rises = np.concatenate(([0.0], np.cumsum(coef[_SLOPES] * _WIDTHS)))  # f(knot) - f(1)
+        self._knot_rises = np.concatenate(([0.0], np.cumsum(coef[_SLOPES] * _WIDTHS)))
+        self._rises = self._knot_rises[:-1].tolist()  # `_rise` runs in plain Python, per query
 
     def summary(self) -> dict:
         c = self.calibration
