@@ -13,6 +13,10 @@
 #   eagle   the serving benchmark, speculation off / on / auto, with an EAGLE draft head
 #           (DRAFT_HEAD, or the bundled one for the default model);
 #   ngram   the same with the n-gram proposer;
+#   traffic the per-request `auto` sweep's traffic with the n-gram proposer: copy (extraction
+#           prompts), creative and a 50/50 mix, 64 x [0.5, 1.5] tokens per request, each mode x
+#           load its own prefix-cache tenant, at TRAFFIC_CONCURRENCY: does the cost model learned
+#           on this device keep `auto` with the better fixed mode?
 #   batch   the engine batch-size sweep (benchmarks.engine_bench --section batch);
 #   draft   the serving benchmark with a draft cut from the target by benchmarks/make_draft.py;
 #   train   `specd train-draft` on the GPU for TRAIN_MINUTES (data from the target, training,
@@ -25,7 +29,7 @@
 #   PYTHON        interpreter with torch + specd's dependencies [.venv/bin/python, else python3]
 #   MODEL         target: directory, .gguf file or Hub id in the local HF cache [bundled SmolLM2-135M-Instruct]
 #   DEVICE        cuda, cuda:N or cpu (cpu only to try this script out) [cuda]
-#   STAGES        comma-separated, run in this order [step,profile,heads,eagle,ngram,batch,draft,train]
+#   STAGES        comma-separated, run in this order [step,profile,traffic,heads,eagle,ngram,batch,draft,train]
 #   BUDGET_SECONDS  wall-clock budget of the whole script [480]
 #   DRAFT_LAYERS  layers kept in the draft [8]
 #   DRAFT_HEAD    EAGLE head directory for the target [models/heads/smollm2-135m-instruct if MODEL is unset
@@ -33,7 +37,10 @@
 #   TRAIN_MINUTES training budget of the GPU-trained head [2]
 #   MAX_TOKENS    tokens per request [128]
 #   CONCURRENCY   serving levels of the eagle and n-gram stages [1,2,4,8,16,32]; the draft and
-#                 trained-head stages use DRAFT_CONCURRENCY [1,4,16]
+#                 trained-head stages use DRAFT_CONCURRENCY [1,4,16], the traffic stage
+#                 TRAFFIC_CONCURRENCY [1,4,16]
+#   TRAFFIC       the traffic stage's runs, name:prompt-sets [copy:extraction mix:extraction,creative
+#                 creative:creative]
 #   WHEELS        folder of wheels to install (no network) into a private folder before starting
 # Nothing is downloaded: HF_HUB_OFFLINE=1.
 set -euo pipefail
@@ -46,7 +53,9 @@ DRAFT_LAYERS=${DRAFT_LAYERS:-8}
 MAX_TOKENS=${MAX_TOKENS:-128}
 CONCURRENCY=${CONCURRENCY:-1,2,4,8,16,32}
 DRAFT_CONCURRENCY=${DRAFT_CONCURRENCY:-1,4,16}
-STAGES=${STAGES:-step,profile,heads,eagle,ngram,batch,draft,train}
+TRAFFIC_CONCURRENCY=${TRAFFIC_CONCURRENCY:-1,4,16}
+TRAFFIC=${TRAFFIC:-copy:extraction mix:extraction,creative creative:creative}
+STAGES=${STAGES:-step,profile,traffic,heads,eagle,ngram,batch,draft,train}
 BUDGET_SECONDS=${BUDGET_SECONDS:-480}
 TRAIN_MINUTES=${TRAIN_MINUTES:-2}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -150,6 +159,11 @@ for stage in ${STAGES//,/ }; do
         fi ;;
     ngram)
         serve ngram "$CONCURRENCY" --draft ngram ;;
+    traffic)
+        for traffic in $TRAFFIC; do
+            MAX_TOKENS=64 serve "traffic-${traffic%%:*}" "$TRAFFIC_CONCURRENCY" --draft ngram \
+                --prompt-sets "${traffic#*:}" --length-range-ratio 0.5 --isolate-runs --max-model-len 2048
+        done ;;
     batch)
         stamp "engine batch-size sweep"
         bounded 150 "$PYTHON" -m benchmarks.engine_bench --section batch --dtypes bfloat16 --device "$DEVICE" \
@@ -183,7 +197,7 @@ print(make_layer_draft(sys.argv[1] or None, int(sys.argv[2])))" "${MODEL:-}" "$D
             echo "train-draft failed or ran out of time (see $OUT_DIR/train_draft.log)" >&2
         fi ;;
     *)
-        echo "unknown stage $stage (stages: step, profile, heads, eagle, ngram, batch, draft, train)" >&2
+        echo "unknown stage $stage (stages: step, profile, heads, eagle, ngram, traffic, batch, draft, train)" >&2
         exit 2 ;;
     esac
 done
@@ -230,18 +244,25 @@ if heads.exists():
         mean = rec["mean_accepted_per_verify"]
         lines.append(f"| {rec['set']} | {rec['config']} | {rec['tps']:.0f} | {rec['vs_off']:.2f} | "
                      f"{'-' if mean is None else f'{mean:.2f}'} |")
-lines += ["", "| proposer | load | off tok/s | on tok/s | auto tok/s | on / off | auto / best | accept (on) |",
-          "|---|---|---|---|---|---|---|---|"]
+lines += ["", "| run | load | off tok/s | on tok/s | auto tok/s | on / off | auto / best | accept (on) "
+          "| auto's steps that verify | auto's calibration |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def cell(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
 for path in reports:
     report = json.loads(path.read_text())
-    accept = {r["load"]: r["acceptance_rate"] for r in report["runs"] if r["mode"] == "on"}
+    by_mode = {(r["mode"], r["load"]): r for r in report["runs"] if r["load_kind"] == "concurrency"}
     for row in report["tradeoff"]["rows"]:
         tps = row["output_throughput"]
         cells = [f"{tps[m]:.0f}" if m in tps else "-" for m in ("off", "on", "auto")]
-        ratios = [f"{v:.2f}" if v is not None else "-" for v in (row["on_vs_off"], row["auto_vs_best"])]
-        rate = accept.get(row["load"])
+        ratios = [cell(v, ".2f") for v in (row["on_vs_off"], row["auto_vs_best"])]
+        on, auto = by_mode.get(("on", row["load"]), {}), by_mode.get(("auto", row["load"]), {})
         lines.append(f"| {path.parent.name} | {row['load']} | {' | '.join(cells)} | {' | '.join(ratios)} | "
-                     f"{'-' if rate is None else f'{rate:.0%}'} |")
+                     f"{cell(on.get('acceptance_rate'), '.0%')} | {cell(auto.get('spec_step_share'), '.0%')} | "
+                     f"{cell(auto.get('step_time_predicted_over_measured'), '.2f')} |")
 text = "\n".join(lines)
 (out / "summary.md").write_text(text + "\n")
 print(text)
