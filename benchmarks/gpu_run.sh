@@ -245,7 +245,8 @@ if heads.exists():
         lines.append(f"| {rec['set']} | {rec['config']} | {rec['tps']:.0f} | {rec['vs_off']:.2f} | "
                      f"{'-' if mean is None else f'{mean:.2f}'} |")
 lines += ["", "| run | load | off tok/s | on tok/s | auto tok/s | on / off | auto / best | accept (on) "
-          "| auto's steps that verify | auto's calibration |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "| auto's steps that verify | auto's calibration | engine ms / step, off / on / auto |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def cell(value, spec):
@@ -262,7 +263,8 @@ for path in reports:
         on, auto = by_mode.get(("on", row["load"]), {}), by_mode.get(("auto", row["load"]), {})
         lines.append(f"| {path.parent.name} | {row['load']} | {' | '.join(cells)} | {' | '.join(ratios)} | "
                      f"{cell(on.get('acceptance_rate'), '.0%')} | {cell(auto.get('spec_step_share'), '.0%')} | "
-                     f"{cell(auto.get('step_time_predicted_over_measured'), '.2f')} |")
+                     f"{cell(auto.get('step_time_predicted_over_measured'), '.2f')} | "
+                     f"{' / '.join(cell(by_mode.get((m, row['load']), {}).get('step_ms'), '.1f') for m in ('off', 'on', 'auto'))} |")
 text = "\n".join(lines)
 (out / "summary.md").write_text(text + "\n")
 print(text)

@@ -379,6 +379,10 @@ def summarize(
         "acceptance_rate": ratio(delta["num_accepted_tokens"], delta["num_draft_tokens"]),
         "mean_acceptance_length": None if accepted_per_draft is None else 1 + accepted_per_draft,
         "spec_step_share": ratio(delta["steps_spec"], num_steps),
+        "engine_steps": num_steps,
+        # The engine's own time per step (its forwards, not HTTP): two runs of the same step
+        # shapes that differ here differ in the machine's speed, not in what the policy chose.
+        "step_ms": ratio(delta["cost_observed_seconds"] * 1e3, num_steps),
         # A closed loop of equal-length requests keeps `off` in lock step (every slot busy to
         # the end); a mode that finishes some requests early leaves slots idle in the tail.
         "mean_batch_rows": ratio(delta["batch_rows"], delta["batch_steps"]),
@@ -530,9 +534,11 @@ def markdown(report: dict) -> str:
     rows = [[r["mode"], load_label(r), f"{r['num_completed']}/{r['num_requests']}", fmt(r["request_throughput"], 2),
              fmt(r["output_throughput"]), pct(r["ttft_ms"], "p50"), pct(r["tpot_ms"], "p50"), pct(r["itl_ms"], "p50"),
              pct(r["e2e_ms"], "p50", 1e-3, 2), share(r["acceptance_rate"]), fmt(r["mean_acceptance_length"], 2),
-             share(r["spec_step_share"]), fmt(r.get("mean_batch_rows"), 1)] for r in runs]  # fmt: skip
+             share(r["spec_step_share"]), fmt(r.get("mean_batch_rows"), 1), fmt(r.get("engine_steps"), 0),
+             fmt(r.get("step_ms"), 1)] for r in runs]  # fmt: skip
     text.append(md_table(["mode", "load", "done", "req/s", "out tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms",
-                          "e2e p50 s", "accept", "accept len", "spec steps", "rows/step"], rows))  # fmt: skip
+                          "e2e p50 s", "accept", "accept len", "spec steps", "rows/step", "steps",
+                          "ms / step"], rows))  # fmt: skip
 
     def three(stats: dict | None, scale: float = 1.0, digits: int = 1) -> str:
         return " / ".join(pct(stats, q, scale, digits) for q in ("p50", "p95", "p99"))

@@ -72,6 +72,9 @@ def test_serve_bench_smoke(tmp_path, tiny_llama_dir, tiny_draft_dir):
         assert run["request_throughput"] > 0 and run["output_throughput"] > 0 and run["duration_s"] > 0
         assert run["tokens_per_chunk"] >= 1
         assert 1 <= run["mean_batch_rows"] <= run["load"]  # never more running than the clients
+        # Each step emits at most 1 + K tokens per row, for at most `load` rows; and takes time.
+        assert run["engine_steps"] >= run["total_output_tokens"] / (run["load"] * (1 + 3))
+        assert run["step_ms"] > 0
         check_latencies(run)
         check_speculation(run)
 
