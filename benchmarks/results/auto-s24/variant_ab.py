@@ -1,10 +1,14 @@
-"""Session 24: `auto` as landed against `autoX`, the same policy that also runs a longer draft
-than planned once per unseen step-size bucket, with off and on, in the closed loop. Apply the
-variant first: `git apply benchmarks/results/auto-s24/longer_drafts.patch`. (benchmarks.loop_bench
-internals: modes interleaved and rotated per round, each run priced by one cost model fitted to all runs'
-steps, so the "modeled" ratios do not drift with the machine).
+"""Session 24: `auto` as landed against `autoX`, the same policy with one variant, with off and
+on, in the closed loop (benchmarks.loop_bench internals: modes interleaved and rotated per
+round, each run priced by one cost model fitted to all runs' steps, so the "modeled" ratios do
+not drift with the machine). Variants:
 
-    PYTHONPATH=. .venv/bin/python benchmarks/results/auto-s24/longer_drafts_ab.py extraction,creative 4,8 2
+    share-off      no realised share: every row's share is 1
+    longer-drafts  a longer draft than planned, once per unseen step-size bucket; apply the patch
+                   first: `git apply benchmarks/results/auto-s24/longer_drafts.patch`
+
+    PYTHONPATH=. .venv/bin/python benchmarks/results/auto-s24/variant_ab.py share-off extraction 4,8 2
+    PYTHONPATH=. .venv/bin/python benchmarks/results/auto-s24/variant_ab.py longer-drafts extraction,creative 4,8 2
 """
 
 import statistics
@@ -16,9 +20,23 @@ from benchmarks.engine_bench import load
 from models.builder import ProposerConfig, build_runner
 from models.runner import RunnerConfig
 
-sets, levels, rounds = tuple(sys.argv[1].split(",")), [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
+variant, sets = sys.argv[1], tuple(sys.argv[2].split(","))
+levels, rounds = [int(x) for x in sys.argv[3].split(",")], int(sys.argv[4])
+if variant not in ("share-off", "longer-drafts"):
+    sys.exit(f"unknown variant {variant} (share-off, longer-drafts)")
 modes = ["off", "on", "auto", "autoX"]
 lb.MODES["autoX"] = "auto"
+landed_share = pol.SpecPolicy._realised_share
+
+
+def set_variant(on: bool) -> None:
+    """Switch the policy to the variant (on) or back to the landed policy."""
+    if variant == "share-off":
+        pol.SpecPolicy._realised_share = (lambda self, state: 1.0) if on else landed_share
+    else:
+        pol.EXPLORE_DRAFT_LOSS = 0.2 if on else 0.0  # exists once longer_drafts.patch is applied
+
+
 target = load("auto", None, "cpu")
 cfg = lb.LoopConfig(sets=sets, rounds=rounds, length_range_ratio=0.5)
 
@@ -33,7 +51,7 @@ for n in levels:
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(rounds):
         for mode in modes[r % 4 :] + modes[: r % 4]:
-            pol.EXPLORE_DRAFT_LOSS = 0.2 if mode == "autoX" else 0.0
+            set_variant(mode == "autoX")
             runs[mode].append(lb._run(runner, target, prompts, n, mode, cfg))
     lb._price(runs)
     for m in modes:
