@@ -208,6 +208,12 @@ import json, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
+
+
+def cell(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
 floor = json.loads((out / "floor.json").read_text())
 lines = ["| measure | ms per decode step |", "|---|---|",
          f"| bandwidth floor: {floor['weight_bytes'] / 1e6:.0f} MB / {floor['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s "
@@ -241,17 +247,11 @@ heads = out / "engine_draft.json"
 if heads.exists():
     lines += ["", "| held-out set | config | tok/s | vs off | accepted / verify |", "|---|---|---|---|---|"]
     for rec in json.loads(heads.read_text()):
-        mean = rec["mean_accepted_per_verify"]
         lines.append(f"| {rec['set']} | {rec['config']} | {rec['tps']:.0f} | {rec['vs_off']:.2f} | "
-                     f"{'-' if mean is None else f'{mean:.2f}'} |")
+                     f"{cell(rec['mean_accepted_per_verify'], '.2f')} |")
 lines += ["", "| run | load | off tok/s | on tok/s | auto tok/s | on / off | auto / best | accept (on) "
           "| auto's steps that verify | auto's calibration | engine ms / step, off / on / auto |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
-
-
-def cell(value, spec):
-    return "-" if value is None else format(value, spec)
-
 
 for path in reports:
     report = json.loads(path.read_text())
