@@ -179,6 +179,30 @@ class ModelRunner:
             logger.exception("prompt lookup failed while the step was planned; these rows plan no lookup draft")
             return [0] * len(requests)
 
+    def host_draft_lengths(self, requests: list[Request], num_tokens: list[int]) -> list[int]:
+        """For the policy: how many tokens (at most `num_tokens`) each row's host draft would
+        carry now: Predicted Outputs' for a row with a prediction, else the n-gram proposer's.
+        The step that follows proposes from the same tokens, so it drafts exactly these.
+        Rows only a forward or a preview can answer for (a draft model, a head, suffix
+        decoding) keep `num_tokens`."""
+        lengths = list(num_tokens)
+        with_prediction = [i for i, r in enumerate(requests) if r.prediction_ids]
+        groups: list[tuple[list[int], Proposer]] = [(with_prediction, self.prediction)]
+        if isinstance(self.proposer, NgramProposer):
+            groups.append(([i for i, r in enumerate(requests) if not r.prediction_ids], self.proposer))
+        for index, proposer in groups:
+            if not index:
+                continue
+            try:
+                drafts = proposer.propose([requests[i] for i in index], [num_tokens[i] for i in index])
+            except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
+                logger.exception("%s proposer failed while the step was planned; these rows plan no draft",
+                                 proposer.method)  # fmt: skip
+                drafts = [Draft([], proposer.method) for _ in index]
+            for i, draft in zip(index, drafts):
+                lengths[i] = len(draft.token_ids)
+        return lengths
+
     def free(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             if self.proposer:

@@ -76,7 +76,11 @@ class AsyncEngine:
         preview = getattr(executor, "preview_drafts", None)
         # A runner that drafts by prompt lookup beside its draft model or head offers those drafts too.
         lookup = getattr(executor, "lookup_drafts", None)
-        self.scheduler = Scheduler(config, proposer=executor.proposer_name, preview=preview, lookup=lookup)
+        # A runner that drafts on the host (n-gram, Predicted Outputs) says what each row's draft holds.
+        available = getattr(executor, "host_draft_lengths", None)
+        self.scheduler = Scheduler(
+            config, proposer=executor.proposer_name, preview=preview, lookup=lookup, available=available
+        )
         self.recorder = StepRecorder(self.scheduler, observer)
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()

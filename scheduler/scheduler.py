@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from scheduler.cost_model import StepShape
 from scheduler.kv_blocks import BlockPool, block_key, blocks_for
-from scheduler.policy import DEVICE_PROPOSERS, Lookup, Preview, SpecConfig, SpecPolicy, StepPlan
+from scheduler.policy import DEVICE_PROPOSERS, DraftLengths, Preview, SpecConfig, SpecPolicy, StepPlan
 from scheduler.types import (
     Batch,
     FinishReason,
@@ -94,14 +94,16 @@ class Scheduler:
         config: SchedulerConfig,
         proposer: str = "ngram",
         preview: Preview | None = None,
-        lookup: Lookup | None = None,
+        lookup: DraftLengths | None = None,
+        available: DraftLengths | None = None,
     ):
         """`proposer`: the runner's proposer method ("ngram", "suffix", "draft_model", "eagle" or "none");
         `preview`: the runner's priced drafts, for a proposer that gives them; `lookup`: the runner's
-        prompt-lookup drafts beside a device proposer, when it has them (see SpecPolicy)."""
+        prompt-lookup drafts beside a device proposer, when it has them; `available`: the lengths of
+        the n-gram or Predicted Outputs drafts rows have now (see SpecPolicy)."""
         self.config = config
         self.proposer = proposer
-        self.policy = SpecPolicy(config.spec, proposer, preview=preview, lookup=lookup)
+        self.policy = SpecPolicy(config.spec, proposer, preview=preview, lookup=lookup, available=available)
         self.last_plan: StepPlan | None = None
         self.last_check: StepCheck | None = None
         self.waiting: deque[Request] = deque()

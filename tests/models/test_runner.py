@@ -217,3 +217,29 @@ def test_the_kv_pool_is_sized_by_blocks_memory_or_sequences(tiny_llama_dir):
     assert fraction == pytest.approx(0.001 * free_memory(target.device) / per_block, rel=0.2)
     with pytest.raises(ValueError, match="holds no KV block"):
         num_kv_blocks(RunnerConfig(kv_cache_memory=per_block - 1, block_size=BLOCK), target)
+
+
+def test_the_policy_is_told_each_rows_host_draft_before_the_step(tiny_llama_dir):
+    """`host_draft_lengths` says how many tokens each row's n-gram or Predicted Outputs draft
+    will carry, and the step that follows drafts exactly those; a row whose n-gram index
+    matches nothing has none."""
+    runner = make_runner(tiny_llama_dir)
+    copying = running("copy", [7, 8, 9, 10, 11, 12, 13, 7, 8], 0)
+    fresh = running("fresh", [20, 21, 22, 23], 1)  # no token repeats: nothing to look up
+    predicted = running("pred", [30, 31, 32], 2)
+    step(runner, [copying, fresh, predicted], [0, 0, 0])
+    copying.output_ids[-1] = 9  # "... 7 8 9": the n-gram continues with 10 11 12 13 7 8 9
+    fresh.output_ids[-1] = 24
+    predicted.prediction_ids = predicted.output_ids + [40, 41]
+    requests = [copying, fresh, predicted]
+    assert runner.host_draft_lengths(requests, [4, 4, 4]) == [4, 0, 2]
+    assert runner.host_draft_lengths(requests, [2, 4, 1]) == [2, 0, 1]
+    rows = step(runner, requests, [4, 4, 4])
+    assert [r.num_draft_tokens for r in rows] == [4, 0, 2]
+
+
+def test_rows_only_a_forward_can_draft_for_keep_what_they_asked(tiny_llama_dir, tiny_draft_dir):
+    runner = make_runner(tiny_llama_dir, "draft_model", tiny_draft_dir)
+    request = running("r", [20, 21, 22, 23], 0)
+    step(runner, [request], [0])
+    assert runner.host_draft_lengths([request], [3]) == [3]

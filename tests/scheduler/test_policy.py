@@ -549,6 +549,30 @@ def test_a_prediction_is_used_whenever_the_operator_allows():
     assert decide(policy, [predicted, refused], running=3) == [0, 0]  # over the cap
 
 
+def test_rows_plan_only_the_drafts_their_host_proposer_has_now():
+    """With n-gram lookup, what a row can draft is known before the step: a row whose index
+    matches nothing plans no draft (in `auto` and `on` alike), and one with a short match plans
+    no more than it; the plan's predicted time is the step's with those drafts alone."""
+    lengths = {"copy": 10, "short": 3, "none": 0}
+
+    def available(requests: list[Request], ks: list[int]) -> list[int]:
+        return [min(lengths[r.request_id], k) for r, k in zip(requests, ks)]
+
+    cost = trained(linear(0.05, 0.0005))
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=10), "ngram", cost=cost, available=available)
+    rows = [req(rid) for rid in lengths]
+    for _ in range(20):
+        for r in rows:
+            policy.observe(r, 10, 10)  # every row copies whenever it has a draft
+    ks, plan = policy.decide(rows, [16] * 3, 256)
+    assert ks == [10, 3, 0]
+    assert plan.predicted_seconds == pytest.approx(cost.predict(StepShape(3 + 13, is_spec=True)), rel=0.05)
+    forced = [req(rid, speculation=True) for rid in lengths]
+    assert decide(policy, forced) == [10, 3, 0]
+    blind = SpecPolicy(SpecConfig(num_speculative_tokens=10), "ngram", cost=cost)
+    assert decide(blind, forced) == [10, 10, 10]  # a runner that cannot tell: as asked
+
+
 def priced_policy(previews: dict[str, list[float]], **spec) -> SpecPolicy:
     """A suffix-decoding policy whose proposer prices each row's draft as `previews[request_id]`."""
 
