@@ -1,0 +1,71 @@
+"""Session 25: why `auto` runs plain in steps where rows have drafts (closed loop, one `auto`
+run after an `on` and an `off` run to warm the machine). For every step whose rows have
+candidate drafts, the best plan's edge over the plain step is computed once more with the
+margin and exploration off, and the step is classed by what the policy then did:
+
+    spec      it verified
+    no-edge   no plan beat the plain step (edge <= 1)
+    margin    a plan beat it, but by no more than the required edge
+    explore   a plan beat it by the margin, but the step ran plain to measure a plain step
+
+    PYTHONPATH=. .venv/bin/python benchmarks/results/auto-s25/plain_steps.py extraction 8
+"""
+
+import statistics
+import sys
+from collections import Counter
+
+import benchmarks.loop_bench as lb
+import scheduler.policy as pol
+from benchmarks.engine_bench import load
+from models.builder import ProposerConfig, build_runner
+from models.runner import RunnerConfig
+
+sets, n = tuple(sys.argv[1].split(",")), int(sys.argv[2])
+landed_choose = pol.SpecPolicy._choose
+log: list[dict] = []
+
+
+def choose(self, requests, candidates, ks, budget, prefill, lookup_rows=frozenset()):
+    if not candidates:
+        return landed_choose(self, requests, candidates, ks, budget, prefill, lookup_rows)
+    margin = self.required_edge()
+    explore_margin, required = pol.EXPLORE_MARGIN, pol.SpecPolicy.required_edge
+    pol.EXPLORE_MARGIN, pol.SpecPolicy.required_edge = 0.0, lambda policy: -1.0
+    try:  # the unconstrained best plan (its per-row gains are overwritten by the real call)
+        free = landed_choose(self, requests, candidates, list(ks), budget, prefill, lookup_rows)
+    finally:
+        pol.EXPLORE_MARGIN, pol.SpecPolicy.required_edge = explore_margin, required
+    explored = self.num_explored
+    plan = landed_choose(self, requests, candidates, ks, budget, prefill, lookup_rows)
+    if any(ks):
+        kind = "spec"
+    elif free.edge <= 1.0:
+        kind = "no-edge"
+    elif self.num_explored > explored or free.edge > 1.0 + margin:
+        kind = "explore"
+    else:
+        kind = "margin"
+    rows_with = len({i for _, i in candidates})
+    log.append({"kind": kind, "rows": len(requests), "rows_with": rows_with, "edge": free.edge, "margin": margin})
+    return plan
+
+
+target = load("auto", None, "cpu")
+cfg = lb.LoopConfig(sets=sets, rounds=1, length_range_ratio=0.5)
+runner = build_runner(target, RunnerConfig(max_num_seqs=n, max_model_len=2048), ProposerConfig("ngram"))
+prompts = lb._prompts(target, sets, 3 * n)
+for mode in ("on", "off"):
+    lb._run(runner, target, prompts, n, mode, cfg)
+pol.SpecPolicy._choose = choose
+run = lb._run(runner, target, prompts, n, "auto", cfg)
+print(sets, n, "auto steps", run["steps"], "drafted", run["drafted"], "accepted", run["accepted"])
+kinds = Counter(x["kind"] for x in log)
+print("steps with candidate drafts", len(log), dict(kinds))
+for kind in ("spec", "no-edge", "margin", "explore"):
+    xs = [x for x in log if x["kind"] == kind]
+    if xs:
+        print(f"{kind:8s} steps {len(xs):4d}  rows {statistics.mean(x['rows'] for x in xs):.1f}"
+              f"  rows with drafts {statistics.mean(x['rows_with'] for x in xs):.1f}"
+              f"  best edge median {statistics.median(x['edge'] for x in xs):.3f}"
+              f"  required margin median {statistics.median(x['margin'] for x in xs):.3f}")  # fmt: skip
