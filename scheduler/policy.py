@@ -436,8 +436,9 @@ class SpecPolicy:
         num_rows = len(requests)
         if not requests:
             return ks, StepPlan(0.0, None)
-        k_maxes = self._available([min(self.k_max(r), cap) for r, cap in zip(requests, caps)], requests)
         auto_allowed = self.config.auto_allowed(num_rows if num_running is None else num_running)
+        k_maxes = [min(self.k_max(r), cap) for r, cap in zip(requests, caps)]
+        k_maxes = self._available(k_maxes, requests, auto_allowed)
         candidates: list[tuple[float, int]] = []  # (gain, row)
         auto_rows = []
         priced: list[int] = []
@@ -489,14 +490,16 @@ class SpecPolicy:
                 self._state_for(requests[i]).plain_steps = 0
         return ks, plan
 
-    def _available(self, k_maxes: list[int], requests: list[Request]) -> list[int]:
-        """`k_maxes` cut to the drafts the rows' host proposer has now. A row's acceptance
+    def _available(self, k_maxes: list[int], requests: list[Request], auto_allowed: bool) -> list[int]:
+        """`k_maxes` cut to the drafts the rows' host proposer has now (only rows that may draft
+        this step are looked up: `auto` rows over the operator's cap are not). A row's acceptance
         is learned from the verifies it drafted in, so it applies only where a draft exists.
         Planned blind, a step counted 10 drafts for a row whose n-gram index matched nothing:
         served `on` steps on mixed traffic were priced 1.11-1.31x their time, 0.99-1.02x
         with this (bf16, 1-8 requests)."""
         rows = [i for i, (k, r) in enumerate(zip(k_maxes, requests))
-                if k and r.params.speculation is not False and self.method_of(r) in HOST_PROPOSERS]  # fmt: skip
+                if k and (r.params.speculation is True or r.params.speculation == "auto" and auto_allowed)
+                and self.method_of(r) in HOST_PROPOSERS]  # fmt: skip
         if not rows or self.available is None:
             return k_maxes
         lengths = self.available([requests[i] for i in rows], [k_maxes[i] for i in rows])

@@ -554,9 +554,11 @@ def test_rows_plan_only_the_drafts_their_host_proposer_has_now():
     matches nothing plans no draft (in `auto` and `on` alike), and one with a short match plans
     no more than it; the plan's predicted time is the step's with those drafts alone."""
     lengths = {"copy": 10, "short": 3, "none": 0}
+    asked: list[str] = []
 
     def available(requests: list[Request], ks: list[int]) -> list[int]:
-        return [min(lengths[r.request_id], k) for r, k in zip(requests, ks)]
+        asked.extend(r.request_id for r in requests)
+        return [min(lengths.get(r.request_id, 10), k) for r, k in zip(requests, ks)]
 
     cost = trained(linear(0.05, 0.0005))
     policy = SpecPolicy(SpecConfig(num_speculative_tokens=10), "ngram", cost=cost, available=available)
@@ -571,6 +573,12 @@ def test_rows_plan_only_the_drafts_their_host_proposer_has_now():
     assert decide(policy, forced) == [10, 3, 0]
     blind = SpecPolicy(SpecConfig(num_speculative_tokens=10), "ngram", cost=cost)
     assert decide(blind, forced) == [10, 10, 10]  # a runner that cannot tell: as asked
+    # Over the operator's cap auto rows run plain: their drafts are not looked up at all.
+    capped = SpecPolicy(SpecConfig(num_speculative_tokens=10, spec_disable_batch_size=1), "ngram",
+                        cost=cost, available=available)  # fmt: skip
+    asked.clear()
+    assert decide(capped, rows + [req("forced", speculation=True)]) == [0, 0, 0, 10]
+    assert asked == ["forced"]
 
 
 def priced_policy(previews: dict[str, list[float]], **spec) -> SpecPolicy:
