@@ -8,6 +8,9 @@ margin and exploration off, and the step is classed by what the policy then did:
     margin    a plan beat it, but by no more than the required edge
     explore   a plan beat it by the margin, but the step ran plain to measure a plain step
 
+It also prints how far the cost model priced the plain steps of a size it had not seen lately
+(explored or not) from their measured time.
+
     PYTHONPATH=. .venv/bin/python benchmarks/results/auto-s25/plain_steps.py extraction 8
 """
 
@@ -51,6 +54,17 @@ def choose(self, requests, candidates, ks, budget, prefill, lookup_rows=frozense
     return plan
 
 
+# Plain steps of a size the model had not seen lately: how far it priced them from their time.
+unseen: list[tuple[float, float]] = []  # (predicted, measured)
+landed_observe = pol.SpecPolicy.observe_step
+
+
+def observe_step(self, shape, seconds, plan, emitted):
+    if not shape.is_spec and self.cost.is_fitted and self.cost.plain_support(shape.num_tokens) < pol.EXPLORE_BELOW:
+        unseen.append((self.cost.predict(shape), seconds))
+    landed_observe(self, shape, seconds, plan, emitted)
+
+
 target = load("auto", None, "cpu")
 cfg = lb.LoopConfig(sets=sets, rounds=1, length_range_ratio=0.5)
 runner = build_runner(target, RunnerConfig(max_num_seqs=n, max_model_len=2048), ProposerConfig("ngram"))
@@ -58,6 +72,7 @@ prompts = lb._prompts(target, sets, 3 * n)
 for mode in ("on", "off"):
     lb._run(runner, target, prompts, n, mode, cfg)
 pol.SpecPolicy._choose = choose
+pol.SpecPolicy.observe_step = observe_step
 run = lb._run(runner, target, prompts, n, "auto", cfg)
 print(sets, n, "auto steps", run["steps"], "drafted", run["drafted"], "accepted", run["accepted"])
 kinds = Counter(x["kind"] for x in log)
@@ -69,3 +84,7 @@ for kind in ("spec", "no-edge", "margin", "explore"):
               f"  rows with drafts {statistics.mean(x['rows_with'] for x in xs):.1f}"
               f"  best edge median {statistics.median(x['edge'] for x in xs):.3f}"
               f"  required margin median {statistics.median(x['margin'] for x in xs):.3f}")  # fmt: skip
+ratios = sorted(p / m for p, m in unseen)
+if ratios:
+    print(f"unseen plain steps {len(ratios)}: predicted / measured median {statistics.median(ratios):.3f}"
+          f" min {ratios[0]:.3f} max {ratios[-1]:.3f}")  # fmt: skip
