@@ -438,25 +438,26 @@ class SpecPolicy:
             return ks, StepPlan(0.0, None)
         auto_allowed = self.config.auto_allowed(num_rows if num_running is None else num_running)
         k_maxes = [min(self.k_max(r), cap) for r, cap in zip(requests, caps)]
-        k_maxes = self._available(k_maxes, requests, auto_allowed)
         candidates: list[tuple[float, int]] = []  # (gain, row)
-        auto_rows = []
-        priced: list[int] = []
+        forced, auto_rows = [], []
         for i, request in enumerate(requests):
-            mode, k_max = request.params.speculation, k_maxes[i]
-            if k_max == 0 or mode is False or self.method_of(request) is None:
+            mode = request.params.speculation
+            if k_maxes[i] == 0 or mode is False or self.method_of(request) is None:
                 continue
+            if mode is not True and not auto_allowed:
+                continue  # over the operator's cap: only `speculation: true` rows draft
             # A prediction is the client's own draft (OpenAI's Predicted Outputs): used whenever
             # the operator's cap allows, as OpenAI always uses it, not second-guessed by the model.
             if mode is True or not self.config.adaptive or self.method_of(request) == "prediction":
-                if mode is True or auto_allowed:
-                    ks[i] = k_max
-                continue
-            if not auto_allowed:
-                continue
-            auto_rows.append(i)
-            if self.preview is not None and self.method_of(request) in PRICED_PROPOSERS:
-                priced.append(i)
+                forced.append(i)
+            else:
+                auto_rows.append(i)
+        k_maxes = self._available(k_maxes, requests, forced + auto_rows)
+        for i in forced:
+            ks[i] = k_maxes[i]
+        auto_rows = [i for i in auto_rows if k_maxes[i]]
+        priced = [i for i in auto_rows
+                  if self.preview is not None and self.method_of(requests[i]) in PRICED_PROPOSERS]  # fmt: skip
         lookup_gains = self._lookup_gains(requests, [i for i in auto_rows if self.uses_lookup(requests[i])], caps)
         lookup_rows: set[int] = set()
         for i in auto_rows:
@@ -490,16 +491,13 @@ class SpecPolicy:
                 self._state_for(requests[i]).plain_steps = 0
         return ks, plan
 
-    def _available(self, k_maxes: list[int], requests: list[Request], auto_allowed: bool) -> list[int]:
-        """`k_maxes` cut to the drafts the rows' host proposer has now (only rows that may draft
-        this step are looked up: `auto` rows over the operator's cap are not). A row's acceptance
-        is learned from the verifies it drafted in, so it applies only where a draft exists.
-        Planned blind, a step counted 10 drafts for a row whose n-gram index matched nothing:
-        served `on` steps on mixed traffic were priced 1.11-1.31x their time, 0.99-1.02x
-        with this (bf16, 1-8 requests)."""
-        rows = [i for i, (k, r) in enumerate(zip(k_maxes, requests))
-                if k and (r.params.speculation is True or r.params.speculation == "auto" and auto_allowed)
-                and self.method_of(r) in HOST_PROPOSERS]  # fmt: skip
+    def _available(self, k_maxes: list[int], requests: list[Request], rows: list[int]) -> list[int]:
+        """`k_maxes` cut, for the `rows` that may draft this step, to the drafts their host
+        proposer has now. A row's acceptance is learned from the verifies it drafted in, so it
+        applies only where a draft exists. Planned blind, a step counted 10 drafts for a row
+        whose n-gram index matched nothing: served `on` steps on mixed traffic were priced
+        1.11-1.31x their time, 0.99-1.02x with this (bf16, 1-8 requests)."""
+        rows = [i for i in rows if self.method_of(requests[i]) in HOST_PROPOSERS]
         if not rows or self.available is None:
             return k_maxes
         lengths = self.available([requests[i] for i in rows], [k_maxes[i] for i in rows])
