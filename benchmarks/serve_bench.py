@@ -57,6 +57,7 @@ from urllib.parse import urlparse
 import httpx
 
 from benchmarks.lengths import max_tokens_for
+from scheduler.policy import PLAIN_REASONS
 from tests.support.metrics import Metrics, wait_idle
 from tests.support.server import ServerError, SpecdServer, serve_args
 
@@ -306,6 +307,8 @@ async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
     totals.update(steps_spec=0.0, steps_plain=0.0)
     for mode, value in metrics.by_label("specd_engine_steps_total", "mode").items():
         totals[f"steps_{mode or 'unknown'}"] = value
+    for reason, value in metrics.by_label("specd_spec_policy_plain_steps_total", "reason").items():
+        totals[f"plain_{reason}"] = value  # why speculation-auto rows ran plain
     return totals
 
 
@@ -390,6 +393,8 @@ def summarize(
         "step_time_predicted_over_measured": ratio(delta["cost_predicted_seconds"], delta["cost_observed_seconds"]),
         "acceptance_rate_usage": ratio(num_accepted, num_accepted + sum(r.num_rejected for r in done)),
         "tokens_per_chunk": ratio(sum(sum(r.chunk_tokens) for r in done), sum(len(r.chunk_tokens) for r in done)),
+        # Steps whose speculation-auto rows ran plain, by the policy's reason (PLAIN_REASONS).
+        "plain_steps_by_reason": {r: delta[f"plain_{r}"] for r in PLAIN_REASONS if f"plain_{r}" in delta},
         "server_counters": dict(delta),
         "loadavg_1m": os.getloadavg()[0],
     }
@@ -548,11 +553,24 @@ def markdown(report: dict) -> str:
     text += ["\n### Latency p50 / p95 / p99\n",
              md_table(["mode", "load", "TTFT ms", "TPOT ms", "ITL ms", "e2e s"], rows)]  # fmt: skip
     text += tradeoff_markdown(report["tradeoff"])
+    text += plain_reasons_markdown(runs)
     failed = [r for r in runs if r["num_failed"] or r["num_cancelled"] or r["num_short"]]
     for r in failed:
         text.append(f"\n{r['mode']} {load_label(r)}: {r['num_failed']} failed, {r['num_cancelled']} cancelled at the "
                     f"time limit, {r['num_short']} short of max_tokens; {'; '.join(r['errors'])}")  # fmt: skip
     return "\n".join(text) + "\n"
+
+
+def plain_reasons_markdown(runs: list[dict]) -> list[str]:
+    """Where `auto` ran plain, by the policy's reason, for the runs that counted any."""
+    runs = [r for r in runs if any(r.get("plain_steps_by_reason", {}).values())]
+    if not runs:
+        return []
+    rows = [[r["mode"], load_label(r), fmt(r.get("engine_steps"), 0), share(r["spec_step_share"]),
+             *(fmt(r["plain_steps_by_reason"].get(reason), 0) for reason in PLAIN_REASONS)]
+            for r in runs]  # fmt: skip
+    return ["\n### Why `auto` rows ran plain (steps)\n",
+            md_table(["mode", "load", "steps", "spec steps", *PLAIN_REASONS], rows)]  # fmt: skip
 
 
 def tradeoff_markdown(summary: dict) -> list[str]:

@@ -34,6 +34,10 @@ Useful PromQL (sum over pods and methods as needed):
     sum(rate(specd_spec_decode_num_accepted_probes_total[5m]))
       / sum(rate(specd_spec_decode_num_probes_total[5m]))
 
+    # why speculation-auto rows ran plain, steps per second by reason (cap, no_draft,
+    # budget, no_gain, margin, explore)
+    sum by (reason) (rate(specd_spec_policy_plain_steps_total[5m]))
+
     # acceptance at draft position p (share of drafts whose token p survived)
     sum by (position) (rate(specd_spec_decode_num_accepted_tokens_per_pos_total[5m]))
       / ignoring(position) group_left sum(rate(specd_spec_decode_num_drafts_total[5m]))
@@ -50,6 +54,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
+from scheduler.policy import PLAIN_REASONS
 from scheduler.types import FinishedRequestStats, FinishReason, QueueState, SpecCounts, StepStats
 
 # Seconds: 1 ms .. 10 min, ~1-2-5 per decade plus a few midpoints.
@@ -80,6 +85,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "specd_cost_model_observed_seconds_total": ("counter", ()),
     "specd_spec_policy_expected_tokens_total": ("counter", ()),
     "specd_spec_policy_emitted_tokens_total": ("counter", ()),
+    "specd_spec_policy_plain_steps_total": ("counter", ("reason",)),
     "specd_time_to_first_token_seconds": ("histogram", ()),
     "specd_inter_token_latency_seconds": ("histogram", ()),
     "specd_inter_chunk_latency_seconds": ("histogram", ()),
@@ -171,6 +177,13 @@ class MetricsObserver:
             "specd_spec_policy_expected_tokens", "Tokens the policy expected the decode rows to emit."
         )
         self._emitted_tokens = counter("specd_spec_policy_emitted_tokens", "Tokens those decode rows emitted.")
+        self._plain_steps = counter(
+            "specd_spec_policy_plain_steps",
+            "Steps with speculation-auto rows that ran plain, by reason: the operator's cap, no draft, "
+            "no token budget left by prefill, no plan beat the plain step, one beat it within the "
+            "required edge, or a plain step measured.",
+            "reason",
+        )
         self._cache_queries = counter(
             "specd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (at each admission)."
         )
@@ -232,6 +245,8 @@ class MetricsObserver:
             self._accepted_per_pos.labels(model, str(position))
         for mode in MODES:
             self._steps.labels(model, mode)
+        for plain_reason in PLAIN_REASONS:
+            self._plain_steps.labels(model, plain_reason)
         for phase in PHASES:
             self._step.labels(model, phase)
         for hist in (self._ttft, self._itl_token, self._itl_chunk, self._tpot, self._e2e,
@@ -265,6 +280,8 @@ class MetricsObserver:
         if stats.expected_tokens:
             self._expected_tokens.labels(model).inc(stats.expected_tokens)
             self._emitted_tokens.labels(model).inc(stats.emitted_tokens)
+        if stats.plain_reason is not None:
+            self._plain_steps.labels(model, stats.plain_reason).inc()
 
         for method, counts in stats.spec.items():
             self._observe_spec(method, counts)

@@ -132,6 +132,11 @@ EXPLORE_MARGIN = 2.0
 MIN_EDGE, MAX_EDGE = 0.05, 0.25  # past 25% the shortfall is noise (a loaded machine), not bias
 EDGE_CHECK_KEEP = 0.98  # per step: about the last 50 steps of each kind count
 EDGE_CHECK_MIN_STEPS = 5.0  # decayed verify and plain steps each before the shortfall decides
+# Why a step with `auto` rows ran plain (`StepPlan.plain_reason`, counted per reason): the
+# operator's cap held them back; none had a draft (a host proposer matched nothing); prefill
+# chunks left no token budget for drafts; no plan beat the plain step; the best one beat it by
+# no more than the required edge; or the step ran plain to measure a plain step of its size.
+PLAIN_REASONS = ("cap", "no_draft", "budget", "no_gain", "margin", "explore")
 
 
 @dataclass
@@ -290,6 +295,7 @@ class StepPlan:
     edge: float = 1.0  # predicted tokens per second of the chosen step over the plain step's
     lookup_rows: frozenset[int] = frozenset()  # rows (by index) that draft by prompt lookup
     probe_rows: frozenset[int] = frozenset()  # rows (by index) whose device proposer drafts unverified
+    plain_reason: str | None = None  # set where auto rows could have drafted and the step runs plain
 
 
 @dataclass
@@ -391,7 +397,8 @@ class SpecPolicy:
     _state: dict[str, AcceptanceState] = field(default_factory=dict)
     _lookup_state: dict[str, AcceptanceState] = field(default_factory=dict)  # rows' lookup drafts
     _recent: dict[str, PositionCounts] = field(default_factory=dict)  # by proposer method
-    num_explored: int = 0  # steps run plain to measure a plain step's cost
+    # Steps with auto rows that ran plain, by reason (PLAIN_REASONS).
+    plain_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PLAIN_REASONS, 0))
     num_probes: int = 0  # probes graded, and how many of them were (expected to be) accepted
     num_probes_accepted: float = 0.0
 
@@ -440,12 +447,14 @@ class SpecPolicy:
         k_maxes = [min(self.k_max(r), cap) for r, cap in zip(requests, caps)]
         candidates: list[tuple[float, int]] = []  # (gain, row)
         forced, auto_rows = [], []
+        capped = False
         for i, request in enumerate(requests):
             mode = request.params.speculation
             if k_maxes[i] == 0 or mode is False or self.method_of(request) is None:
                 continue
             if mode is not True and not auto_allowed:
-                continue  # over the operator's cap: only `speculation: true` rows draft
+                capped = True  # over the operator's cap: only `speculation: true` rows draft
+                continue
             # A prediction is the client's own draft (OpenAI's Predicted Outputs): used whenever
             # the operator's cap allows, as OpenAI always uses it, not second-guessed by the model.
             if mode is True or not self.config.adaptive or self.method_of(request) == "prediction":
@@ -455,6 +464,7 @@ class SpecPolicy:
         k_maxes = self._available(k_maxes, requests, forced + auto_rows)
         for i in forced:
             ks[i] = k_maxes[i]
+        had_auto_rows = bool(auto_rows)
         auto_rows = [i for i in auto_rows if k_maxes[i]]
         priced = [i for i in auto_rows
                   if self.preview is not None and self.method_of(requests[i]) in PRICED_PROPOSERS]  # fmt: skip
@@ -475,6 +485,10 @@ class SpecPolicy:
             ks = _shrink(ks, -budget)
             budget = 0
         plan = self._choose(requests, candidates, ks, budget, prefill, frozenset(lookup_rows))
+        if not any(ks) and plan.plain_reason is None and (capped or had_auto_rows):
+            plan.plain_reason = "cap" if capped else "no_draft"
+        if plan.plain_reason is not None:
+            self.plain_steps[plan.plain_reason] += 1
         plan.lookup_rows = frozenset(i for i in lookup_rows if ks[i])
         for i in plan.lookup_rows:  # its verify grades the lookup now; a pending shadow would count twice
             self._state_for(requests[i], lookup=True).shadow = None
@@ -608,13 +622,15 @@ class SpecPolicy:
             chosen[i] += 1
             gains[i].append(gain)
         expected, seconds = best_expected, best_seconds
-        edge = 1.0
+        edge, reason = 1.0, None
+        if candidates and not already_spec and not best:
+            reason = "no_gain" if order else "budget"
         if best and not already_spec:
             edge = (expected / seconds) / (plain_expected / plain_seconds)
             explore = cost.is_fitted and edge < EXPLORE_MARGIN and cost.plain_support(plain_tokens) < EXPLORE_BELOW
             margin = self.required_edge()
             if edge <= 1.0 + margin or explore:
-                self.num_explored += edge > 1.0 + margin
+                reason = "margin" if edge <= 1.0 + margin else "explore"
                 chosen, expected, seconds, edge = [0] * len(requests), plain_expected, plain_seconds, 1.0
         for i, k in enumerate(chosen):
             if k:
@@ -624,7 +640,7 @@ class SpecPolicy:
             share = self._realised_share(state)
             state.plan_gains = [g / share for g in gains[i]] if chosen[i] else []
         predicted = seconds + prefill_seconds if cost.is_fitted else None
-        return StepPlan(expected, predicted, len(requests), edge)
+        return StepPlan(expected, predicted, len(requests), edge, plain_reason=reason)
 
     def _drafts_on_device(self, request: Request, row: int, lookup_rows: frozenset[int]) -> bool:
         return self.method_of(request) in DEVICE_PROPOSERS and row not in lookup_rows
@@ -851,7 +867,7 @@ class SpecPolicy:
             "expected_tokens_per_step": round(t.expected / t.num_steps, 3) if t.num_steps else None,
             "gain_scale": round(t.scale, 3),
             "required_edge": round(self.required_edge(), 3),
-            "plain_steps_explored": self.num_explored,
+            "plain_steps": dict(self.plain_steps),
             "probes": {"graded": self.num_probes, "accepted": round(self.num_probes_accepted, 1)},
             "emitted_tokens_per_step": round(t.emitted / t.num_steps, 3) if t.num_steps else None,
             "recent_acceptance_by_proposer": {

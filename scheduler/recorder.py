@@ -123,6 +123,7 @@ class StepRecorder:
             stats.predicted_seconds = check.predicted_seconds
             stats.expected_tokens = check.expected_tokens
             stats.emitted_tokens = check.emitted_tokens
+            stats.plain_reason = check.plain_reason
         stats.probes = self._probes()
         for row in batch.rows:
             request = row.request

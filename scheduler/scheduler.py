@@ -86,6 +86,7 @@ class StepCheck:
     predicted_seconds: float | None  # None before the cost model has data
     expected_tokens: float  # by the decode rows
     emitted_tokens: int
+    plain_reason: str | None = None  # why auto rows ran plain (policy.PLAIN_REASONS)
 
 
 class Scheduler:
@@ -418,7 +419,10 @@ class Scheduler:
         )
         plan = self.last_plan
         self.last_check = StepCheck(
-            plan.predicted_seconds if plan else None, plan.expected_tokens if plan else 0.0, emitted
+            plan.predicted_seconds if plan else None,
+            plan.expected_tokens if plan else 0.0,
+            emitted,
+            plan.plain_reason if plan else None,
         )
         self.policy.observe_step(shape, seconds, plan, emitted)
 

@@ -352,6 +352,7 @@ class StepStats:
     predicted_seconds: float | None = None
     expected_tokens: float = 0.0
     emitted_tokens: int = 0
+    plain_reason: str | None = None  # why the step's auto rows ran plain (policy.PLAIN_REASONS)
     # Probes graded this step (a draft model's or head's one unverified token for a row that
     # ran plain), by proposer method: (graded, accepted). A sampled row's probe counts its
     # chance of acceptance, so `accepted` need not be whole.

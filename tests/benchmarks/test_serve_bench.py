@@ -12,6 +12,7 @@ import json
 import pytest
 
 from benchmarks import serve_bench
+from scheduler.policy import PLAIN_REASONS
 
 MODES = ("off", "on", "auto")
 LEVELS = (1, 2)
@@ -77,6 +78,10 @@ def test_serve_bench_smoke(tmp_path, tiny_llama_dir, tiny_draft_dir):
         assert run["step_ms"] > 0
         check_latencies(run)
         check_speculation(run)
+        reasons = run["plain_steps_by_reason"]  # only auto rows are the policy's to run plain
+        assert set(reasons) == set(PLAIN_REASONS) and all(n >= 0 for n in reasons.values())
+        assert sum(reasons.values()) <= run["server_counters"]["steps_plain"]
+        assert run["mode"] == "auto" or not any(reasons.values())
 
     meta = report["meta"]
     assert meta["speculation"]["proposer"] == "draft_model" and meta["max_tokens"] == MAX_TOKENS
@@ -88,7 +93,9 @@ def test_serve_bench_smoke(tmp_path, tiny_llama_dir, tiny_draft_dir):
     for heading in ("| mode | load |", "### Latency p50 / p95 / p99", "### Speculation trade-off"):
         assert heading in text
     mode_rows = [line for line in text.splitlines() if line.startswith(("| off |", "| on |", "| auto |"))]
-    assert len(mode_rows) == 2 * len(runs)  # the main table and the percentiles table
+    explained = [r for r in runs if any(r["plain_steps_by_reason"].values())]
+    assert ("### Why `auto` rows ran plain" in text) == bool(explained)
+    assert len(mode_rows) == 2 * len(runs) + len(explained)  # main, percentiles, and why auto ran plain
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "out" / "serve_bench.png").stat().st_size > 0
 

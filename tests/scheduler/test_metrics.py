@@ -52,6 +52,7 @@ def plain_step() -> StepStats:
         num_prompt_tokens=11,
         num_generation_tokens=3,
         phase_seconds={"prefill": 0.15, "decode": 0.05},
+        plain_reason="margin",
         token_gaps=[(1, 0.2)],
         first_token_latencies=[0.2, 0.3],
         queue_seconds=[0.01, 0.02],
@@ -103,6 +104,8 @@ def test_series_exist_at_zero_before_the_first_step(observer):
     assert fams.one("specd_spec_decode_num_draft_tokens_total", method="ngram") == 0
     assert fams.one("specd_spec_decode_num_probes_total", method="eagle") == 0
     assert fams.one("specd_spec_decode_num_accepted_probes_total", method="draft_model") == 0
+    for reason in ("cap", "no_draft", "budget", "no_gain", "margin", "explore"):
+        assert fams.one("specd_spec_policy_plain_steps_total", reason=reason) == 0
     assert not any(s.name.endswith("_created") for s in fams.samples)
 
 
@@ -120,6 +123,8 @@ def test_counters_move_by_the_step_amounts(observer):
     assert fams.one("specd_prefix_cache_queries_total") == 40
     assert fams.one("specd_prefix_cache_hits_total") == 32
     assert fams.one("specd_num_preemptions_total") == 1
+    assert fams.one("specd_spec_policy_plain_steps_total", reason="margin") == 1
+    assert fams.one("specd_spec_policy_plain_steps_total", reason="no_gain") == 0
 
     spec = {"method": "ngram"}
     assert fams.one("specd_spec_decode_num_drafts_total", **spec) == 2

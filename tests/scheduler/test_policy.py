@@ -512,10 +512,47 @@ def test_a_plain_step_it_has_not_seen_lately_is_measured_once_before_speculating
     for r in batch:
         policy.observe(r, 4, 1)  # worth a draft or two, nowhere near twice the plain step
     ks, plan = policy.decide(batch, [16] * 16, 256)
-    assert sum(ks) == 0 and plan.edge == 1.0 and policy.num_explored == 1
+    assert sum(ks) == 0 and plan.edge == 1.0 and plan.plain_reason == "explore"
     cost.observe(StepShape(16), linear(0.05, 0.002)(StepShape(16)))
     ks, plan = policy.decide(batch, [16] * 16, 256)
-    assert sum(ks) > 0 and plan.edge > 1.0 and policy.num_explored == 1
+    assert sum(ks) > 0 and plan.edge > 1.0 and policy.plain_steps["explore"] == 1
+
+
+def test_a_plain_step_says_why_its_auto_rows_did_not_draft():
+    """Each plain step with auto rows is counted under one reason, for /metrics and
+    /v1/speculation; a step that verifies (a forced row drafts) has none."""
+    cost = trained(linear(0.040, 0.001, 0.03))  # a verify step's fixed price: weak drafts lose
+    lengths = {"copy": 4}
+
+    def available(requests: list[Request], ks: list[int]) -> list[int]:
+        return [min(lengths.get(r.request_id, 0), k) for r, k in zip(requests, ks)]
+
+    def reason(policy: SpecPolicy, rows: list[Request], budget: int = 256, running=None) -> str | None:
+        ks, plan = policy.decide(rows, [16] * len(rows), budget, running)
+        assert (plan.plain_reason is None) == any(ks)
+        return plan.plain_reason
+
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=4, spec_disable_batch_size=8), "ngram", cost=cost,
+                        available=available)  # fmt: skip
+    batch = [req(f"r{i}") for i in range(7)] + [req("copy")]
+    for r in batch:
+        for _ in range(5):
+            policy.observe(r, 4, 1)
+    idle = batch[:-1]
+    assert reason(policy, idle) == "no_draft"  # their n-gram index matches nothing
+    assert reason(policy, batch, running=9) == "cap"
+    assert reason(policy, batch, budget=0) == "budget"
+    assert reason(policy, batch) == "no_gain"  # one row's draft does not pay the verify step's price
+    lengths.update({r.request_id: 4 for r in idle})
+    assert reason(policy, batch) is None  # eight rows' drafts do (edge 1.11)
+    for _ in range(10):  # verifies that delivered half the tokens they were chosen for
+        policy.edge_check.add_plain(1.0, 1.0)
+        policy.edge_check.add_spec(10.0, 5.0, 1.0, 1.0)
+    assert reason(policy, batch) == "margin"
+    lengths["forced"] = 4
+    assert reason(policy, idle + [req("forced", speculation=True)]) is None
+    assert policy.plain_steps == {"cap": 1, "no_draft": 1, "budget": 1, "no_gain": 1, "margin": 1, "explore": 0}
+    assert policy.summary()["plain_steps"] == policy.plain_steps
 
 
 def test_a_prefill_chunk_in_the_step_does_not_make_drafts_look_cheap():

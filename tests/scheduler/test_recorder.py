@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler.policy import SpecConfig
 from scheduler.recorder import StepRecorder
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.types import (
@@ -93,3 +94,17 @@ def test_probes_the_policy_graded_are_reported_once_by_proposer():
     first, second = seen
     assert first.probes == {"eagle": (2, pytest.approx(1.25))}
     assert second.probes == {}
+
+
+def test_a_plain_step_reports_why_its_auto_rows_did_not_draft():
+    seen: list[StepStats] = []
+    config = SchedulerConfig(max_num_seqs=2, max_model_len=64, spec=SpecConfig(spec_disable_batch_size=0))
+    scheduler = Scheduler(config, proposer="ngram")
+    recorder = StepRecorder(scheduler, seen.append)
+    scheduler.add(Request("a", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True)))
+    for _ in range(2):  # the prefill, then a decode step whose auto row the operator's cap holds back
+        batch, _ = scheduler.schedule()
+        output = StepOutput(rows=[RowOutput("a", [5])])
+        scheduler.update(batch, output, 0.01)
+        recorder.step(batch, output, [], 0.01)
+    assert [stats.plain_reason for stats in seen] == [None, "cap"]
