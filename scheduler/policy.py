@@ -15,9 +15,13 @@ Rule (documented in README, "How `auto` decides"):
   gets their later rates scaled down alike, since those are the copying rows').
   The first position is read in its context: right after a draft accepted to
   its end, or after a miss (`AFTER_FULL`). The k-th draft token of a row yields
-  an extra token with probability g_k = a_1 * ... * a_k, scaled by the share
-  of its planned extra tokens the row's verifies realised (at most 1: verify
-  steps are chosen where estimates are high, and realise less). How many accepted
+  an extra token with probability g_k = a_1 * ... * a_k. A few decayed
+  observations make g run to the extremes, so for n-gram, whose drafts are
+  graded in every row that has one (verifies, and shadows for plain rows), g
+  is mapped through what positions priced alike were accepted lately
+  (`GainCalibration`). Other proposers' g is scaled by the share of its
+  planned extra tokens the row's verifies realised (at most 1: verify steps
+  are chosen where estimates are high, and realise less). How many accepted
   tokens the plans expected against how many they got is tracked and shown
   (`gain_scale`), not applied: one batch-wide factor would lend a copying
   row's luck to a creative row beside it.
@@ -115,6 +119,13 @@ LOOKUP_METHOD = "ngram"
 Preview = Callable[[list[Request], list[int]], list[list[float]]]
 # Probability buckets of the calibration: upper edges.
 CALIBRATION_EDGES = (0.2, 0.4, 0.6, 0.8, 0.95, 1.0)
+# A row's gains come from a few decayed observations of its own, so they run to the extremes: in
+# the closed loop (bf16, n-gram, copy and mixed traffic), draft positions priced under 0.02 were
+# accepted 4-10% of the time, those at 0.05-0.2 some 10 points more than priced, those over 0.85
+# 8-25 points less. For proposers whose drafts are graded in every row that has one (verified, or
+# shadowed for free), gains are mapped through what positions at that gain recently realised.
+CALIBRATED_PROPOSERS = ("ngram",)
+GAIN_EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 NO_PREFILL = StepShape(0)  # a step of decode rows only
 # A verify step is compared with a plain step of the same rows, whose cost the
 # model only knows if it saw such steps: while it speculates every step it does
@@ -256,6 +267,58 @@ class ProbabilityCalibration:
 
 
 @dataclass
+class GainCalibration:
+    """How often draft positions the estimates priced at g were accepted, per bucket of g.
+
+    Per bucket, decayed counts of graded positions, the gains they were priced at, and the
+    accepted ones. Every position of a graded draft counts (those past the first rejection as
+    not accepted), and a row's draft is graded whether it verified or ran plain (a shadow), so
+    which drafts are graded depends on their gains, never on how they turned out: a bucket's
+    rate is what a position priced there earns. `apply` moves a gain by its bucket's mean
+    error, shrunk toward none by `prior_weight` positions, keeping a row's gains non-increasing.
+    """
+
+    keep: float = 0.998  # per graded draft: about the last 500 count
+    prior_weight: float = 8.0
+    count: list[float] = field(default_factory=lambda: [0.0] * len(GAIN_EDGES))
+    priced: list[float] = field(default_factory=lambda: [0.0] * len(GAIN_EDGES))
+    accepted: list[float] = field(default_factory=lambda: [0.0] * len(GAIN_EDGES))
+
+    @staticmethod
+    def bucket(g: float) -> int:
+        return next((b for b, edge in enumerate(GAIN_EDGES) if g < edge), len(GAIN_EDGES) - 1)
+
+    def add(self, gains: list[float], num_accepted: int) -> None:
+        """A graded draft whose positions were priced at `gains`; its first `num_accepted` were accepted."""
+        for b in range(len(GAIN_EDGES)):
+            self.count[b] *= self.keep
+            self.priced[b] *= self.keep
+            self.accepted[b] *= self.keep
+        for j, g in enumerate(gains):
+            b = self.bucket(g)
+            self.count[b] += 1.0
+            self.priced[b] += g
+            self.accepted[b] += j < num_accepted
+
+    def apply(self, gains: list[float]) -> list[float]:
+        out, ceiling = [], 1.0
+        for g in gains:
+            b = self.bucket(g)
+            g = g + (self.accepted[b] - self.priced[b]) / (self.count[b] + self.prior_weight)
+            ceiling = min(max(g, 0.0), ceiling)
+            out.append(ceiling)
+        return out
+
+    def summary(self) -> dict[str, list[float]]:
+        """Per bucket with data, keyed by its upper edge: [mean gain priced, share accepted]."""
+        return {
+            f"{edge:g}": [round(self.priced[b] / self.count[b], 3), round(self.accepted[b] / self.count[b], 3)]
+            for b, edge in enumerate(GAIN_EDGES)
+            if self.count[b] >= 1.0
+        }
+
+
+@dataclass
 class Shadow:
     """A draft the row did not verify: its next emitted tokens grade it."""
 
@@ -263,6 +326,7 @@ class Shadow:
     probs: list[float] = field(default_factory=list)  # the proposer's, when it gives them
     matched: int = 0
     after_full: bool = False  # the row's previous draft was accepted to its end
+    gains: list[float] = field(default_factory=list)  # its positions' gains, uncalibrated, where calibrated
 
 
 @dataclass
@@ -281,6 +345,8 @@ class AcceptanceState:
     planned: float = 0.0  # decayed extra tokens this row's verify plans expected ...
     realised: float = 0.0  # ... and accepted
     plan_gains: list[float] = field(default_factory=list)  # this step's plan: g per drafted position
+    raw_gains: list[float] = field(default_factory=list)  # the last gains computed, uncalibrated ...
+    plan_raw: list[float] = field(default_factory=list)  # ... and those of this step's drafted positions
     shadow: Shadow | None = None
     draft_probs: list[float] = field(default_factory=list)  # this step's previewed draft, if priced
 
@@ -393,6 +459,8 @@ class SpecPolicy:
     # plans at most the tokens its proposer has for it now, and none where it has none.
     available: DraftLengths | None = None
     calibration: ProbabilityCalibration = field(default_factory=ProbabilityCalibration)
+    gain_calibration: dict[str, GainCalibration] = field(default_factory=dict)  # by proposer method
+    calibrate_gains: bool = True
     edge_check: EdgeCheck = field(default_factory=EdgeCheck)
     _state: dict[str, AcceptanceState] = field(default_factory=dict)
     _lookup_state: dict[str, AcceptanceState] = field(default_factory=dict)  # rows' lookup drafts
@@ -523,12 +591,23 @@ class SpecPolicy:
     def _gains(self, state: AcceptanceState, rates: list[float]) -> list[float]:
         """Expected extra tokens of each of a row's draft positions, given each position's
         conditional acceptance rate: P(draft j accepted) is the product of the rates up to j,
-        scaled by the row's realised share."""
-        gain, share, gains = 1.0, self._realised_share(state), []
+        calibrated where the proposer's drafts are graded in every row (`GainCalibration`),
+        else scaled by the row's realised share."""
+        raw, gain = [], 1.0
         for rate in rates:
             gain *= rate
-            gains.append(gain * share)
-        return gains
+            raw.append(gain)
+        calibration = self._gain_calibration(state)
+        if calibration is not None:
+            state.raw_gains = raw
+            return calibration.apply(raw)
+        share = self._realised_share(state)
+        return [g * share for g in raw]
+
+    def _gain_calibration(self, state: AcceptanceState) -> GainCalibration | None:
+        if not self.calibrate_gains or state.method not in CALIBRATED_PROPOSERS:
+            return None
+        return self.gain_calibration.setdefault(state.method, GainCalibration())
 
     def _lookup_gains(self, requests: list[Request], rows: list[int], caps: list[int]) -> dict[int, list[float]]:
         """Gains of the prompt-lookup drafts the rows at `rows` have now (rows with none are left out)."""
@@ -637,8 +716,10 @@ class SpecPolicy:
                 ks[i] = k
         for i in {i for _, i in candidates}:  # what each row's verify should add, before its share
             state = self._state_for(requests[i], lookup=i in lookup_rows)
-            share = self._realised_share(state)
+            calibrated = self._gain_calibration(state) is not None
+            share = 1.0 if calibrated else self._realised_share(state)
             state.plan_gains = [g / share for g in gains[i]] if chosen[i] else []
+            state.plan_raw = state.raw_gains[: chosen[i]] if calibrated and chosen[i] else []
         predicted = seconds + prefill_seconds if cost.is_fitted else None
         return StepPlan(expected, predicted, len(requests), edge, plain_reason=reason)
 
@@ -709,6 +790,10 @@ class SpecPolicy:
         state = self._state_for(request, lookup)
         if state.draft_probs:
             self.calibration.add(state.draft_probs[:num_drafted], num_accepted)
+        gain_calibration = self._gain_calibration(state)
+        if gain_calibration is not None and state.plan_raw:
+            gain_calibration.add(state.plan_raw[:num_drafted], num_accepted)
+        state.plan_raw = []
         if state.plan_gains:  # the verify the policy planned (not a forced draft)
             keep = REALISED_KEEP
             state.planned = keep * state.planned + sum(state.plan_gains[:num_drafted])
@@ -747,7 +832,11 @@ class SpecPolicy:
         row that starts quoting drafts again a step or two later, not after its whole shadow."""
         state = self._state_for(request, lookup=self.uses_lookup(request))
         if state.shadow is None and draft_ids:
-            state.shadow = Shadow(list(draft_ids), state.draft_probs[: len(draft_ids)], after_full=state.after_full)
+            gains = []
+            if self._gain_calibration(state) is not None:  # as the plan would have priced them
+                gains = list(np.cumprod(self._rates(state, len(draft_ids))))
+            state.shadow = Shadow(list(draft_ids), state.draft_probs[: len(draft_ids)], after_full=state.after_full,
+                                  gains=gains)  # fmt: skip
             self._begin_grading(state)
         shadow = state.shadow
         for token in emitted:
@@ -760,6 +849,8 @@ class SpecPolicy:
             if not accepted or shadow.matched == len(shadow.token_ids):
                 if shadow.probs:
                     self.calibration.add(shadow.probs, shadow.matched)
+                if shadow.gains and (gain_calibration := self._gain_calibration(state)) is not None:
+                    gain_calibration.add(shadow.gains, shadow.matched)
                 state.shadow = shadow = None
 
     def _begin_grading(self, state: AcceptanceState) -> None:
@@ -876,6 +967,7 @@ class SpecPolicy:
                 if (rate := counts.first_rate()) is not None
             },
             "acceptance_by_draft_probability": self.calibration.summary(),
+            "acceptance_by_gain": {method: c.summary() for method, c in self.gain_calibration.items()},
         }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.cost_model import StepCostModel, StepShape
-from scheduler.policy import SpecConfig, SpecPolicy
+from scheduler.policy import GainCalibration, SpecConfig, SpecPolicy
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.types import Batch, Request, RowOutput, SamplingParams, StepOutput
 
@@ -186,10 +186,12 @@ def test_the_first_draft_is_judged_by_how_the_previous_one_ended():
 
 
 def test_a_row_whose_verifies_fall_short_of_its_plans_drafts_less():
-    """Verify steps are chosen where a row's estimate is high, so they tend to realise
-    less than planned. Here the row's shadows match half the time (its estimate stays
-    near 0.5) while every verify it runs accepts nothing: the share of its planned
-    tokens that its verifies realised scales its gains down, and it stops verifying."""
+    """Where gains are not calibrated (a draft model's, a head's, suffix decoding's rows;
+    here n-gram with the calibration off), verify steps are chosen where a row's estimate
+    is high, so they tend to realise less than planned. Here the row's shadows match half
+    the time (its estimate stays near 0.5) while every verify it runs accepts nothing: the
+    share of its planned tokens that its verifies realised scales its gains down, and it
+    stops verifying."""
 
     def verify_steps(policy: SpecPolicy) -> int:
         r = req("short")
@@ -203,16 +205,61 @@ def test_a_row_whose_verifies_fall_short_of_its_plans_drafts_less():
                 policy.observe_shadow(r, [5] * 8, [5 if step % 2 else 6])
         return count
 
-    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(0.05, 0.01)))
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(0.05, 0.01)),
+                        calibrate_gains=False)  # fmt: skip
     assert verify_steps(policy) <= 8  # 55 of those 100 steps verified without the share
     assert policy._realised_share(policy._state_for(req("short"))) < 0.3
     # A row whose verifies accept what was planned keeps its full gains.
-    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(0.05, 0.01)))
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=8), "ngram", cost=trained(linear(0.05, 0.01)),
+                        calibrate_gains=False)  # fmt: skip
     copier = req("copier")
     for _ in range(20):
         (k,) = decide(policy, [copier])
         policy.observe(copier, k, k)
     assert policy._realised_share(policy._state_for(copier)) == 1.0 and decide(policy, [copier])[0] >= 6
+
+
+def test_gains_are_mapped_through_what_positions_priced_alike_realised():
+    """GainCalibration: positions priced at 0.01 that were accepted one time in ten come to be
+    priced near 0.1, those priced at 0.95 and accepted half the time near 0.5; a row's gains
+    never rise along its draft; with nothing graded they stay as priced."""
+    calibration = GainCalibration()
+    assert calibration.apply([0.95, 0.5, 0.01]) == [0.95, 0.5, 0.01]
+    for i in range(400):
+        calibration.add([0.01], int(i % 10 == 0))
+        calibration.add([0.95], int(i % 2 == 0))
+    low, high = calibration.apply([0.01])[0], calibration.apply([0.95])[0]
+    assert low == pytest.approx(0.1, abs=0.01) and high == pytest.approx(0.5, abs=0.02)
+    assert calibration.apply([0.96, 0.5, 0.012]) == [pytest.approx(0.51, abs=0.02), 0.5, pytest.approx(0.1, abs=0.01)]
+    assert calibration.summary()["0.02"] == [0.01, pytest.approx(0.1, abs=0.01)]
+
+
+def test_every_graded_ngram_draft_teaches_the_gain_calibration_and_the_plan_uses_it():
+    """A verify grades the positions it drafted, a shadow every position of its draft; a row
+    priced below paying drafts once positions priced like it are seen to pay, and not
+    without the calibration."""
+    cost = trained(linear(0.05, 0.004, 0.01))
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=4), "ngram", cost=cost)
+    plain = SpecPolicy(SpecConfig(num_speculative_tokens=4), "ngram", cost=cost, calibrate_gains=False)
+    quiet, copier = req("quiet"), req("copier")
+    for p in (policy, plain):
+        for _ in range(6):
+            p.observe(quiet, 4, 0)  # a row that missed lately: priced near zero
+            p.observe(copier, 4, 4)
+    assert decide(policy, [quiet]) == decide(plain, [quiet]) == [0]
+    calibration = policy.gain_calibration["ngram"]
+    policy.observe_shadow(quiet, [7, 7, 7, 7], [7, 8])  # matched one of four, then missed: graded whole
+    assert sum(calibration.count) == pytest.approx(4.0)
+    (k,) = decide(policy, [copier])
+    policy.observe(copier, k, k)
+    assert k and sum(calibration.count) == pytest.approx(4.0 * 0.998 + k)
+    assert decide(policy, [quiet]) == [0]  # its shadow's one match is not enough
+    priced = policy._state_for(quiet).raw_gains
+    assert len(priced) == 4 and priced[0] < 0.3
+    for _ in range(300):  # positions priced as the quiet row's are were accepted half the time
+        calibration.add(priced, 2)
+    assert decide(policy, [quiet])[0] > 0
+    assert decide(plain, [quiet]) == [0]
 
 
 def test_a_proposer_with_a_recorded_acceptance_starts_from_it():
