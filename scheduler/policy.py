@@ -460,6 +460,7 @@ class SpecPolicy:
     available: DraftLengths | None = None
     calibration: ProbabilityCalibration = field(default_factory=ProbabilityCalibration)
     gain_calibration: dict[str, GainCalibration] = field(default_factory=dict)  # by proposer method
+    # False: n-gram rows keep the realised share instead, as every proposer did before (A/B and tests).
     calibrate_gains: bool = True
     edge_check: EdgeCheck = field(default_factory=EdgeCheck)
     _state: dict[str, AcceptanceState] = field(default_factory=dict)
