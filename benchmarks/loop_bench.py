@@ -191,6 +191,22 @@ def rotated_runs(
     return runs
 
 
+def instrumented_auto_run(sets: tuple[str, ...], n: int, instrument: Callable[[ModelRunner], None]) -> dict:
+    """One closed-loop `auto` run at `n` requests (bf16 by `--dtype auto`, n-gram, lengths drawn in
+    64 x [0.5, 1.5], three waves), after an `on` and an `off` run to warm the machine;
+    `instrument(runner)` patches the policy just before it. Prints and returns the run."""
+    target = load("auto", None, "cpu")
+    cfg = LoopConfig(sets=sets, rounds=1, length_range_ratio=0.5)
+    runner = build_runner(target, RunnerConfig(max_num_seqs=n, max_model_len=2048), ProposerConfig("ngram"))
+    prompts = _prompts(target, sets, 3 * n)
+    for mode in ("on", "off"):
+        _run(runner, target, prompts, n, mode, cfg)
+    instrument(runner)
+    run = _run(runner, target, prompts, n, "auto", cfg)
+    print(sets, n, "auto steps", run["steps"], "drafted", run["drafted"], "accepted", run["accepted"])
+    return run
+
+
 def variant_ab(sets: tuple[str, ...], levels: list[int], rounds: int, set_variant: Callable[[str], None]) -> None:
     """A policy variant against `auto` in the closed loop (bf16 by `--dtype auto`, n-gram, each
     request's length drawn once in 64 x [0.5, 1.5]): off, on, auto and autoX, an auto run that

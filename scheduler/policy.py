@@ -594,10 +594,7 @@ class SpecPolicy:
         conditional acceptance rate: P(draft j accepted) is the product of the rates up to j,
         calibrated where the proposer's drafts are graded in every row (`GainCalibration`),
         else scaled by the row's realised share."""
-        raw, gain = [], 1.0
-        for rate in rates:
-            gain *= rate
-            raw.append(gain)
+        raw = [float(g) for g in np.cumprod(rates)]
         calibration = self._gain_calibration(state)
         if calibration is not None:
             state.raw_gains = raw
@@ -835,7 +832,7 @@ class SpecPolicy:
         if state.shadow is None and draft_ids:
             gains = []
             if self._gain_calibration(state) is not None:  # as the plan would have priced them
-                gains = list(np.cumprod(self._rates(state, len(draft_ids))))
+                gains = [float(g) for g in np.cumprod(self._rates(state, len(draft_ids)))]
             state.shadow = Shadow(list(draft_ids), state.draft_probs[: len(draft_ids)], after_full=state.after_full,
                                   gains=gains)  # fmt: skip
             self._begin_grading(state)

@@ -20,9 +20,6 @@ from collections import Counter
 
 import benchmarks.loop_bench as lb
 import scheduler.policy as pol
-from benchmarks.engine_bench import load
-from models.builder import ProposerConfig, build_runner
-from models.runner import RunnerConfig
 
 sets, n = tuple(sys.argv[1].split(",")), int(sys.argv[2])
 landed_choose = pol.SpecPolicy._choose
@@ -65,16 +62,12 @@ def observe_step(self, shape, seconds, plan, emitted):
     landed_observe(self, shape, seconds, plan, emitted)
 
 
-target = load("auto", None, "cpu")
-cfg = lb.LoopConfig(sets=sets, rounds=1, length_range_ratio=0.5)
-runner = build_runner(target, RunnerConfig(max_num_seqs=n, max_model_len=2048), ProposerConfig("ngram"))
-prompts = lb._prompts(target, sets, 3 * n)
-for mode in ("on", "off"):
-    lb._run(runner, target, prompts, n, mode, cfg)
-pol.SpecPolicy._choose = choose
-pol.SpecPolicy.observe_step = observe_step
-run = lb._run(runner, target, prompts, n, "auto", cfg)
-print(sets, n, "auto steps", run["steps"], "drafted", run["drafted"], "accepted", run["accepted"])
+def instrument(runner) -> None:
+    pol.SpecPolicy._choose = choose
+    pol.SpecPolicy.observe_step = observe_step
+
+
+lb.instrumented_auto_run(sets, n, instrument)
 kinds = Counter(x["kind"] for x in log)
 print("steps with candidate drafts", len(log), dict(kinds))
 for kind in ("spec", "no-edge", "margin", "explore"):

@@ -21,9 +21,6 @@ from collections import defaultdict
 
 import benchmarks.loop_bench as lb
 import scheduler.policy as pol
-from benchmarks.engine_bench import load
-from models.builder import ProposerConfig, build_runner
-from models.runner import RunnerConfig
 
 sets, n = tuple(sys.argv[1].split(",")), int(sys.argv[2])
 records: list[dict] = []
@@ -48,21 +45,27 @@ def decide(self, requests, caps, budget, num_running=None, prefill=pol.NO_PREFIL
     return ks, plan
 
 
-target = load("auto", None, "cpu")
-cfg = lb.LoopConfig(sets=sets, rounds=1, length_range_ratio=0.5)
-runner = build_runner(target, RunnerConfig(max_num_seqs=n, max_model_len=2048), ProposerConfig("ngram"))
-prompts = lb._prompts(target, sets, 3 * n)
-for mode in ("on", "off"):
-    lb._run(runner, target, prompts, n, mode, cfg)
-pol.SpecPolicy.decide = decide
-run = lb._run(runner, target, prompts, n, "auto", cfg)
-print(sets, n, "auto steps", run["steps"], "drafted", run["drafted"], "accepted", run["accepted"])
+def instrument(loop_runner) -> None:
+    global runner
+    runner = loop_runner
+    pol.SpecPolicy.decide = decide
+
+
+runner = None
+lb.instrumented_auto_run(sets, n, instrument)
+
+
+def would_accept(rec: dict) -> int:
+    """How many of the recorded draft's tokens the target would have accepted: those that match,
+    from the first, what the row went on to emit."""
+    out = rec["request"].output_ids[rec["at"] :]
+    return next((j for j, (d, o) in enumerate(zip(rec["tokens"], out)) if d != o), min(len(rec["tokens"]), len(out)))
+
 
 groups: dict[tuple[str, bool], list[tuple[float, int, int, int]]] = defaultdict(list)
 for rec in records:
-    out = rec["request"].output_ids[rec["at"] :]
-    worth = next((j for j, (d, o) in enumerate(zip(rec["tokens"], out)) if d != o), min(len(rec["tokens"]), len(out)))
-    groups[(rec["outcome"], rec["after_full"])].append((sum(rec["gains"]), worth, len(rec["tokens"]), rec["rows"]))
+    row = (sum(rec["gains"]), would_accept(rec), len(rec["tokens"]), rec["rows"])
+    groups[(rec["outcome"], rec["after_full"])].append(row)
 print(f"{'outcome':9s} {'after':6s} {'drafts':>6s} {'rows':>5s} {'length':>6s} {'expected':>8s} {'worth':>6s}"
       f" {'worth/exp':>9s} {'any accepted':>12s}")  # fmt: skip
 for (outcome, after_full), xs in sorted(groups.items()):
@@ -76,13 +79,12 @@ for (outcome, after_full), xs in sorted(groups.items()):
 edges = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.01)
 bins: dict[int, list[float]] = defaultdict(lambda: [0, 0.0, 0])  # positions, sum of g, accepted
 for rec in records:
-    out = rec["request"].output_ids[rec["at"] :]
-    worth = next((j for j, (d, o) in enumerate(zip(rec["tokens"], out)) if d != o), min(len(rec["tokens"]), len(out)))
-    for j, g in enumerate(rec["gains"][: len(out)]):
+    accepted = would_accept(rec)
+    for j, g in enumerate(rec["gains"][: len(rec["request"].output_ids) - rec["at"]]):
         b = next(b for b, edge in enumerate(edges) if g < edge)
         bins[b][0] += 1
         bins[b][1] += g
-        bins[b][2] += j < worth
+        bins[b][2] += j < accepted
 print(f"\n{'g below':>8s} {'positions':>9s} {'mean g':>7s} {'accepted':>8s}")
 for b in sorted(bins):
     count, total, accepted = bins[b]
