@@ -26,12 +26,12 @@ token) / (tokens - 1); ITL = per token (a chunk of n tokens after a gap g counts
 gaps of g/n, as specd_inter_token_latency_seconds); chunk ITL = the gap a
 streaming client sees.
 
-`--peer transformers` then runs the same loads against `transformers serve
---continuous-batching` (transformers' own batching server) on the same model
-directory, dtype and device, as the mode "transformers": plain decoding only,
-so `off / transformers` is specd's batched step against a peer measured in the
-same run. The peer ignores `ignore_eos`, so its requests may stop early; tok/s
-counts the tokens it sent. Output: a markdown table (stdout and OUT_DIR/serve_bench.md),
+`--peer transformers` or `--peer vllm --peer-python PATH` runs the same loads
+against a peer engine on the same model directory, dtype and max-model-len
+(`benchmarks.peers`): its plain decoding beside `off`, and with vLLM one
+n-gram server per `--peer-ngram-k` beside `on` and `auto`. Every server is up
+for the whole run and the modes interleave load by load, so each ratio
+compares runs of one time window. Output: a markdown table (stdout and OUT_DIR/serve_bench.md),
 OUT_DIR/serve_bench.json and OUT_DIR/serve_bench.png.
 """
 
@@ -57,14 +57,14 @@ from urllib.parse import urlparse
 import httpx
 
 from benchmarks.lengths import max_tokens_for
-from scheduler.policy import PLAIN_REASONS
+from benchmarks.peers import PEERS, Peer, scrape_peer, start_peers, wait_peer_idle
+from benchmarks.serve_report import plot, plot_title, progress_line, summarize, write_report
 from tests.support.metrics import Metrics, wait_idle
 from tests.support.server import ServerError, SpecdServer, serve_args
 
 PROMPT_SET_DIR = Path(__file__).resolve().parent / "prompt_sets"
 PROMPT_SETS = ("code", "chat", "extraction", "creative")
 MODES = {"off": False, "on": True, "auto": None}  # None: no `speculation` field
-PEER_MODE = "transformers"  # plain requests to the --peer server
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 COUNTERS = {
     "specd_spec_decode_num_drafts_total": "num_drafts",
@@ -103,29 +103,6 @@ def load_prompts(names: list[str]) -> list[Prompt]:
 
 # specd itself runs as tests.support.server.SpecdServer (the one server process of
 # the test suites): `python -m server.cli serve` on 127.0.0.1 and a free port.
-
-
-class TransformersServeProcess(SpecdServer):
-    """The peer: `transformers serve --continuous-batching` on the model directory specd serves."""
-
-    name = "transformers serve"
-    ready_path = "/health"
-
-    def __init__(self, args: argparse.Namespace, log_path: Path):
-        from models.loader import ModelConfig, local_model_dir, resolve_device, resolve_dtype
-
-        model_dir = local_model_dir(ModelConfig(args.model))
-        if model_dir is None:
-            raise ServerError(f"--peer needs a local model directory or GGUF, got {args.model!r}")
-        device = resolve_device(args.device or "auto")
-        self.model_dir, self.device = model_dir, str(device)
-        self.dtype = str(resolve_dtype(args.dtype or "auto", device)).removeprefix("torch.")
-        super().__init__([], log_path)
-
-    def command(self, args: list[str]) -> list[str]:
-        return [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
-                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--device", self.device,
-                "--log-level", "warning", str(self.model_dir)]  # fmt: skip
 
 
 def server_args(args: argparse.Namespace) -> list[str]:
@@ -168,7 +145,13 @@ class RequestResult:
 
 
 def request_body(
-    model: str, prompt: Prompt, mode: str, max_tokens: int, cache_salt: str | None = None, ignore_eos: bool = True
+    model: str,
+    prompt: Prompt,
+    mode: str,
+    max_tokens: int,
+    cache_salt: str | None = None,
+    ignore_eos: bool = True,
+    peer: Peer | None = None,
 ) -> dict:
     body = {
         "model": model,
@@ -179,11 +162,13 @@ def request_body(
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
-    if mode == PEER_MODE:  # plain OpenAI: the peer refuses fields it does not know
-        del body["ignore_eos"], body["stream_options"]
-    elif MODES[mode] is not None:
+    if peer is not None:
+        if not peer.takes_specd_fields:  # plain OpenAI: transformers serve refuses fields it does not know
+            del body["ignore_eos"], body["stream_options"]
+        return body
+    if MODES[mode] is not None:
         body["speculation"] = MODES[mode]
-    if cache_salt is not None and mode != PEER_MODE:
+    if cache_salt is not None:
         body["cache_salt"] = cache_salt
     return body
 
@@ -257,7 +242,13 @@ class Load:
 
 
 async def drive(
-    client: httpx.AsyncClient, model: str, prompts: list[Prompt], mode: str, load: Load, args: argparse.Namespace
+    client: httpx.AsyncClient,
+    model: str,
+    prompts: list[Prompt],
+    mode: str,
+    load: Load,
+    args: argparse.Namespace,
+    peer: Peer | None = None,
 ) -> list[RequestResult]:
     """Send `load.num_requests` requests; whatever still runs after `args.max_seconds` is cancelled."""
     results: list[RequestResult] = []
@@ -270,7 +261,7 @@ async def drive(
         salt = f"{mode}-{load.kind}-{load.value}" if args.isolate_runs else None
         ignore_eos = args.lengths == "fixed"
         max_tokens = max_tokens_for(index, args.max_tokens, args.length_range_ratio)
-        return request_body(model, prompt, mode, max_tokens, salt, ignore_eos), prompt.id
+        return request_body(model, prompt, mode, max_tokens, salt, ignore_eos, peer), prompt.id
 
     async def worker() -> None:
         while len(results) < load.num_requests:
@@ -316,90 +307,6 @@ def auth_headers(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
-# -- statistics --------------------------------------------------------------------
-
-
-def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float] | None:
-    """mean, p50, p95, p99 (linear interpolation), times `scale` (seconds -> ms)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        pos = (len(ordered) - 1) * q
-        low = math.floor(pos)
-        high = min(low + 1, len(ordered) - 1)
-        return (ordered[low] + (ordered[high] - ordered[low]) * (pos - low)) * scale
-
-    return {"mean": sum(ordered) / len(ordered) * scale, "p50": at(0.5), "p95": at(0.95), "p99": at(0.99)}
-
-
-def ratio(num: float, den: float) -> float | None:
-    return num / den if den else None
-
-
-def summarize(
-    mode: str, load: Load, results: list[RequestResult], seconds: float, delta: dict, args: argparse.Namespace
-) -> dict:
-    """One mode at one load: `results` of every repeat, their `seconds` and server counter deltas added up."""
-    done = [r for r in results if r.ok]
-    ttft, tpot, e2e, itl, chunk_itl = [], [], [], [], []
-    for r in done:
-        if not r.chunk_times:
-            continue
-        ttft.append(r.chunk_times[0] - r.start)
-        e2e.append(r.end - r.start)
-        if r.num_output_tokens > 1:
-            tpot.append((r.chunk_times[-1] - r.chunk_times[0]) / (r.num_output_tokens - 1))
-        for prev, now, num_tokens in zip(r.chunk_times, r.chunk_times[1:], r.chunk_tokens[1:]):
-            chunk_itl.append(now - prev)
-            itl += [(now - prev) / num_tokens] * num_tokens
-    num_steps = delta["steps_spec"] + delta["steps_plain"]
-    accepted_per_draft = ratio(delta["num_accepted_tokens"], delta["num_drafts"])
-    num_accepted = sum(r.num_accepted for r in done)
-    num_output = sum(r.num_output_tokens for r in results)
-    errors = [r.error for r in results if r.error]
-    return {
-        "mode": mode,
-        "load_kind": load.kind,
-        "load": load.value if math.isfinite(load.value) else "inf",
-        "num_requests": len(results),
-        "num_completed": len(done),
-        "num_failed": sum(1 for e in errors if not e.startswith("cancelled")),
-        "num_cancelled": sum(1 for e in errors if e.startswith("cancelled")),
-        # Short of max_tokens: a fault with fixed lengths, the point of natural ones.
-        "num_short": sum(1 for r in done if r.num_output_tokens != r.max_tokens) if args.lengths == "fixed" else 0,
-        "errors": sorted(set(errors))[:5],
-        "duration_s": seconds,
-        "total_output_tokens": num_output,
-        "request_throughput": len(done) / seconds,
-        "output_throughput": num_output / seconds,
-        "ttft_ms": percentiles(ttft),
-        "tpot_ms": percentiles(tpot),
-        "itl_ms": percentiles(itl),
-        "chunk_itl_ms": percentiles(chunk_itl),
-        "e2e_ms": percentiles(e2e),
-        "acceptance_rate": ratio(delta["num_accepted_tokens"], delta["num_draft_tokens"]),
-        "mean_acceptance_length": None if accepted_per_draft is None else 1 + accepted_per_draft,
-        "spec_step_share": ratio(delta["steps_spec"], num_steps),
-        "engine_steps": num_steps,
-        # The engine's own time per step (its forwards, not HTTP): two runs of the same step
-        # shapes that differ here differ in the machine's speed, not in what the policy chose.
-        "step_ms": ratio(delta["cost_observed_seconds"] * 1e3, num_steps),
-        # A closed loop of equal-length requests keeps `off` in lock step (every slot busy to
-        # the end); a mode that finishes some requests early leaves slots idle in the tail.
-        "mean_batch_rows": ratio(delta["batch_rows"], delta["batch_steps"]),
-        # Summed over the run's steps: 1.0 is a cost model that predicted the run's time exactly.
-        "step_time_predicted_over_measured": ratio(delta["cost_predicted_seconds"], delta["cost_observed_seconds"]),
-        "acceptance_rate_usage": ratio(num_accepted, num_accepted + sum(r.num_rejected for r in done)),
-        "tokens_per_chunk": ratio(sum(sum(r.chunk_tokens) for r in done), sum(len(r.chunk_tokens) for r in done)),
-        # Steps whose speculation-auto rows ran plain, by the policy's reason (PLAIN_REASONS).
-        "plain_steps_by_reason": {r: delta[f"plain_{r}"] for r in PLAIN_REASONS if f"plain_{r}" in delta},
-        "server_counters": dict(delta),
-        "loadavg_1m": os.getloadavg()[0],
-    }
-
-
 # -- the benchmark -----------------------------------------------------------------
 
 
@@ -415,27 +322,6 @@ def http_client(base_url: str, args: argparse.Namespace) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits, trust_env=False)
 
 
-async def benchmark_peer(base_url: str, args: argparse.Namespace, prompts: list[Prompt], meta: dict) -> list[dict]:
-    """The same loads against the peer server: plain requests, no counters to scrape."""
-    async with http_client(base_url, args) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        meta["peer_model"] = model
-        if args.warmup:
-            await drive(client, model, prompts, PEER_MODE, Load("concurrency", 1, args.warmup), args)
-        runs = []
-        zeros = dict.fromkeys([*COUNTERS.values(), "steps_spec", "steps_plain"], 0.0)
-        for load in plan(args):
-            results, seconds = [], 0.0
-            for _ in range(args.repeats):
-                await asyncio.sleep(1.0)  # the peer exposes no queue state: let it drain
-                start = time.perf_counter()
-                results += await drive(client, model, prompts, PEER_MODE, load, args)
-                seconds += time.perf_counter() - start
-            runs.append(summarize(PEER_MODE, load, results, seconds, zeros, args))
-            print(progress_line(runs[-1]), file=sys.stderr, flush=True)
-        return runs
-
-
 def rotated_modes(modes: list[str], repeats: int) -> list[str]:
     """The modes of each repeat, the order rotated by one every repeat: a mode
     that runs right after another pays whatever the other left behind (on this
@@ -443,218 +329,60 @@ def rotated_modes(modes: list[str], repeats: int) -> list[str]:
     return [modes[(i + r) % len(modes)] for r in range(repeats) for i in range(len(modes))]
 
 
-async def benchmark(base_url: str, args: argparse.Namespace, prompts: list[Prompt], meta: dict) -> list[dict]:
-    """Every load x mode; the report is rewritten after each run, so a cut-short benchmark keeps its runs."""
-    client = http_client(base_url, args)
-    async with client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        meta.update(model=model, speculation=(await client.get("/v1/speculation")).json())
-        for mode in args.modes if args.warmup else []:  # warm-up, not measured
-            await drive(client, model, prompts, mode, Load("concurrency", 1, args.warmup), args)
+async def benchmark(
+    base_url: str, args: argparse.Namespace, prompts: list[Prompt], meta: dict, peers: list[Peer] = ()
+) -> list[dict]:
+    """Every load x mode (specd's and the peers'); the report is rewritten after each run, so a
+    cut-short benchmark keeps its runs."""
+    clients = {mode: http_client(base_url, args) for mode in args.modes}
+    by_mode = {peer.mode: peer for peer in peers}
+    clients.update({peer.mode: http_client(peer.server.url, args) for peer in peers})
+    modes = [*args.modes, *by_mode]
+    try:
+        specd = clients[args.modes[0]]
+        model = (await specd.get("/v1/models")).json()["data"][0]["id"]
+        meta.update(model=model, speculation=(await specd.get("/v1/speculation")).json())
+        models = {mode: model for mode in args.modes}
+        for peer in peers:
+            models[peer.mode] = (await clients[peer.mode].get("/v1/models")).json()["data"][0]["id"]
+        for mode in modes if args.warmup else []:  # warm-up, not measured
+            await drive(clients[mode], models[mode], prompts, mode, Load("concurrency", 1, args.warmup), args,
+                        by_mode.get(mode))  # fmt: skip
         runs: list[dict] = []
         for load in [load for _ in range(args.passes) for load in plan(args)]:
-            pooled = {mode: ([], [0.0], Counter()) for mode in args.modes}  # results, seconds, counter deltas
-            for mode in rotated_modes(args.modes, args.repeats):
-                try:  # until nothing runs or waits: aborted requests leave at the next step
-                    await asyncio.to_thread(wait_idle, base_url.rstrip("/"), auth_headers(args), 60)
-                except TimeoutError:
-                    pass  # still busy after a minute: this run starts anyway
-                before = await scrape(client)
+            pooled = {mode: ([], [0.0], Counter()) for mode in modes}  # results, seconds, counter deltas
+            for mode in rotated_modes(modes, args.repeats):
+                client, peer = clients[mode], by_mode.get(mode)
+                before = await settle(client, peer, base_url, args)
                 start = time.perf_counter()
-                results = await drive(client, model, prompts, mode, load, args)
+                results = await drive(client, models[mode], prompts, mode, load, args, peer)
                 seconds = time.perf_counter() - start
-                after = await scrape(client)
+                after = await scrape(client) if peer is None else await scrape_peer(client, peer)
                 pooled[mode][0].extend(results)
                 pooled[mode][1][0] += seconds
                 pooled[mode][2].update({key: after[key] - before.get(key, 0.0) for key in after})
-            served = sum(run["mode"] == args.modes[0] and run["load"] == load.value for run in runs)
+            served = sum(run["mode"] == modes[0] and run["load"] == load.value for run in runs)
             for mode, (results, seconds, delta) in pooled.items():
-                runs.append(summarize(mode, load, results, seconds[0], delta, args) | {"pass": served + 1})
+                counters = dict.fromkeys([*COUNTERS.values(), "steps_spec", "steps_plain"], 0.0) | delta
+                runs.append(summarize(mode, load, results, seconds[0], counters, args) | {"pass": served + 1})
                 print(progress_line(runs[-1]), file=sys.stderr, flush=True)
             write_report(args.out_dir, meta, runs)
         return runs
+    finally:
+        for client in clients.values():
+            await client.aclose()
 
 
-# -- reports -----------------------------------------------------------------------
-
-
-def load_label(run: dict) -> str:
-    label = f"c={run['load']}" if run["load_kind"] == "concurrency" else f"{run['load']} req/s"
-    return label + (f" pass {run['pass']}" if run.get("pass", 1) > 1 else "")
-
-
-def fmt(value, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
-def pct(stats: dict | None, key: str, scale: float = 1.0, digits: int = 1) -> str:
-    return fmt(stats[key] * scale, digits) if stats else "-"
-
-
-def share(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
-def md_table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
-def tradeoff(runs: list[dict]) -> dict:
-    """Per load: output tok/s by mode, on/off and auto/best(off, on); the crossover concurrency."""
-    by_load: dict[tuple, dict[str, dict]] = {}
-    for run in runs:
-        by_load.setdefault((run["load_kind"], run["load"]), {})[run["mode"]] = run
-    rows = []
-    for (kind, load), modes in by_load.items():
-        tps = {mode: run["output_throughput"] for mode, run in modes.items()}
-        best = max(tps.get("off", 0.0), tps.get("on", 0.0))
-        rows.append({"load_kind": kind, "load": load, "output_throughput": tps,
-                     "off_vs_peer": ratio(tps["off"], tps[PEER_MODE]) if "off" in tps and tps.get(PEER_MODE) else None,
-                     "on_vs_off": ratio(tps.get("on", 0.0), tps.get("off", 0.0)) if "on" in tps else None,
-                     "auto_vs_best": ratio(tps["auto"], best) if "auto" in tps and best else None})  # fmt: skip
-    levels = [r for r in rows if r["load_kind"] == "concurrency" and r["on_vs_off"] is not None]
-    crossover = None  # lowest concurrency from which speculation (on) never beats off again
-    for row in reversed(levels):
-        if row["on_vs_off"] >= 1.0:
-            break
-        crossover = row["load"]
-    worst = min((r for r in rows if r["auto_vs_best"] is not None), key=lambda r: r["auto_vs_best"], default=None)
-    return {"rows": rows, "crossover_concurrency": crossover, "on_always_faster": bool(levels) and crossover is None,
-            "worst_auto_vs_best": worst and {"load_kind": worst["load_kind"], "load": worst["load"],
-                                             "auto_vs_best": worst["auto_vs_best"]}}  # fmt: skip
-
-
-def markdown(report: dict) -> str:
-    meta, runs = report["meta"], report["runs"]
-    spec = meta["speculation"]
-    text = [
-        "## specd serving benchmark\n",
-        f"`{meta['model']}`, proposer {spec.get('proposer')}, K={spec.get('num_speculative_tokens')}, "
-        f"spec-disable-batch-size {spec.get('spec_disable_batch_size')}; prompts {'+'.join(meta['prompt_sets'])}; "
-        f"{length_label(meta)} per request (greedy); {meta['machine']}, {meta['date']}.\n",
-    ]
-    rows = [[r["mode"], load_label(r), f"{r['num_completed']}/{r['num_requests']}", fmt(r["request_throughput"], 2),
-             fmt(r["output_throughput"]), pct(r["ttft_ms"], "p50"), pct(r["tpot_ms"], "p50"), pct(r["itl_ms"], "p50"),
-             pct(r["e2e_ms"], "p50", 1e-3, 2), share(r["acceptance_rate"]), fmt(r["mean_acceptance_length"], 2),
-             share(r["spec_step_share"]), fmt(r.get("mean_batch_rows"), 1), fmt(r.get("engine_steps"), 0),
-             fmt(r.get("step_ms"), 1)] for r in runs]  # fmt: skip
-    text.append(md_table(["mode", "load", "done", "req/s", "out tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms",
-                          "e2e p50 s", "accept", "accept len", "spec steps", "rows/step", "steps",
-                          "ms / step"], rows))  # fmt: skip
-
-    def three(stats: dict | None, scale: float = 1.0, digits: int = 1) -> str:
-        return " / ".join(pct(stats, q, scale, digits) for q in ("p50", "p95", "p99"))
-
-    rows = [[r["mode"], load_label(r), three(r["ttft_ms"]), three(r["tpot_ms"]), three(r["itl_ms"]),
-             three(r["e2e_ms"], 1e-3, 2)] for r in runs]  # fmt: skip
-    text += ["\n### Latency p50 / p95 / p99\n",
-             md_table(["mode", "load", "TTFT ms", "TPOT ms", "ITL ms", "e2e s"], rows)]  # fmt: skip
-    text += tradeoff_markdown(report["tradeoff"])
-    text += plain_reasons_markdown(runs)
-    failed = [r for r in runs if r["num_failed"] or r["num_cancelled"] or r["num_short"]]
-    for r in failed:
-        text.append(f"\n{r['mode']} {load_label(r)}: {r['num_failed']} failed, {r['num_cancelled']} cancelled at the "
-                    f"time limit, {r['num_short']} short of max_tokens; {'; '.join(r['errors'])}")  # fmt: skip
-    return "\n".join(text) + "\n"
-
-
-def plain_reasons_markdown(runs: list[dict]) -> list[str]:
-    """Where `auto` ran plain, by the policy's reason, for the runs that counted any."""
-    runs = [r for r in runs if any(r.get("plain_steps_by_reason", {}).values())]
-    if not runs:
-        return []
-    rows = [[r["mode"], load_label(r), fmt(r.get("engine_steps"), 0), share(r["spec_step_share"]),
-             *(fmt(r["plain_steps_by_reason"].get(reason), 0) for reason in PLAIN_REASONS)]
-            for r in runs]  # fmt: skip
-    return ["\n### Why `auto` rows ran plain (steps)\n",
-            md_table(["mode", "load", "steps", "spec steps", *PLAIN_REASONS], rows)]  # fmt: skip
-
-
-def tradeoff_markdown(summary: dict) -> list[str]:
-    peer = any(r["off_vs_peer"] is not None for r in summary["rows"])
-    modes = [*MODES, PEER_MODE] if peer else list(MODES)
-    rows = [[f"c={r['load']}" if r["load_kind"] == "concurrency" else f"{r['load']} req/s",
-             *(fmt(r["output_throughput"].get(m)) for m in modes), fmt(r["on_vs_off"], 2), fmt(r["auto_vs_best"], 2),
-             *([fmt(r["off_vs_peer"], 2)] if peer else [])]
-            for r in summary["rows"]]  # fmt: skip
-    text = ["\n### Speculation trade-off (output tok/s)\n",
-            md_table(["load", *modes, "on / off", "auto / best of off, on", *(["off / transformers"] if peer else [])],
-                     rows), ""]  # fmt: skip
-    if summary["crossover_concurrency"] is not None:
-        level = summary["crossover_concurrency"]
-        text.append(f"Speculation stops paying from concurrency {level} (on < off there and above).")
-    elif summary["on_always_faster"]:
-        text.append("Speculation (on) beat off at every concurrency measured.")
-    worst = summary["worst_auto_vs_best"]
-    if worst:
-        verdict = "within 3% of" if worst["auto_vs_best"] >= 0.97 else "more than 3% below"
-        text.append(f"Auto's worst load: {worst['load_kind']} {worst['load']}, {worst['auto_vs_best']:.2f} of the "
-                    f"better of off/on ({verdict} it).")  # fmt: skip
-    return text
-
-
-def length_label(meta: dict) -> str:
-    ratio = meta.get("length_range_ratio") or 0.0
-    tokens = (
-        f"{meta['max_tokens']} x [{1 - ratio:g}, {1 + ratio:g}] tokens" if ratio else f"{meta['max_tokens']} tokens"
-    )
-    if meta.get("lengths", "fixed") == "fixed":
-        return f"{tokens} (ignore_eos)"
-    return f"up to {tokens} (to end of sequence)"
-
-
-def plot_title(meta: dict) -> str:
-    spec = meta["speculation"]
-    return (
-        f"{meta['model']} ({spec.get('proposer')}, K={spec.get('num_speculative_tokens')}, auto threshold "
-        f"{spec.get('spec_disable_batch_size')}), {length_label(meta)}/request, {meta['machine']}"
-    )
-
-
-def progress_line(run: dict) -> str:
-    return (f"{run['mode']:>4} {load_label(run):>10}: {run['num_completed']}/{run['num_requests']} done in "
-            f"{run['duration_s']:.1f}s, {run['output_throughput']:.1f} tok/s, "
-            f"TPOT p50 {pct(run['tpot_ms'], 'p50')} ms, acceptance {share(run['acceptance_rate'])}, "
-            f"spec steps {share(run['spec_step_share'])}")  # fmt: skip
-
-
-def plot(runs: list[dict], title: str, path: Path) -> bool:
-    """Output tok/s and p50 TPOT vs load, one line per mode; one row per load kind. False without matplotlib."""
+async def settle(client: httpx.AsyncClient, peer: Peer | None, base_url: str, args: argparse.Namespace) -> dict:
+    """Wait until the server runs nothing (aborted requests leave at the next step); its counters then."""
+    if peer is not None:
+        await wait_peer_idle(client, peer)
+        return await scrape_peer(client, peer)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    kinds = [k for k in ("concurrency", "rate") if any(r["load_kind"] == k for r in runs)]
-    fig, axes = plt.subplots(len(kinds), 2, figsize=(11, 4 * len(kinds)), squeeze=False)
-    for row, kind in zip(axes, kinds):
-        for mode in MODES:
-            points = [r for r in runs if r["load_kind"] == kind and r["mode"] == mode and r["load"] != "inf"]
-            if not points:
-                continue
-            xs = [r["load"] for r in points]
-            row[0].plot(xs, [r["output_throughput"] for r in points], marker="o", label=mode)
-            tpots = [r["tpot_ms"]["p50"] if r["tpot_ms"] else float("nan") for r in points]
-            row[1].plot(xs, tpots, marker="o", label=mode)
-        levels = sorted({r["load"] for r in runs if r["load_kind"] == kind and r["load"] != "inf"})
-        for ax, ylabel in zip(row, ("output tokens/s", "TPOT p50 (ms)")):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(levels, [f"{x:g}" for x in levels])
-            ax.minorticks_off()
-            ax.set_xlabel("concurrent requests" if kind == "concurrency" else "request rate (req/s)")
-            ax.set_ylabel(ylabel)
-            ax.grid(True, alpha=0.3)
-            ax.legend(title="speculation")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+        await asyncio.to_thread(wait_idle, base_url.rstrip("/"), auth_headers(args), 60)
+    except TimeoutError:
+        pass  # still busy after a minute: this run starts anyway
+    return await scrape(client)
 
 
 # -- command line ------------------------------------------------------------------
@@ -685,9 +413,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="[specd's default]")
     g.add_argument("--device", help="cpu, cuda or cuda:N [specd's default]")
     g.add_argument("--server-args", default="", help="more `specd serve` flags, one quoted string")
-    g.add_argument("--peer", choices=("transformers",),
-                   help="also run every load against this server on the same model, dtype and device: "
-                        "transformers = `transformers serve --continuous-batching` (plain decoding)")  # fmt: skip
+    g.add_argument("--peer", choices=PEERS,
+                   help="also run every load against this engine on the same model directory, dtype and "
+                        "max-model-len, interleaved with specd's modes: transformers = `transformers serve "
+                        "--continuous-batching` (plain decoding); vllm = `vllm serve` from --peer-python's "
+                        "environment (plain, and n-gram with each --peer-ngram-k)")  # fmt: skip
+    g.add_argument("--peer-python", help="--peer vllm: the python of the environment vLLM is installed in")
+    g.add_argument("--peer-ngram-k", type=numbers, default=[],
+                   help="--peer vllm: one n-gram speculating vLLM server per draft length, beside on and auto "
+                        "(lookup windows 1-4, as specd's) [none]")  # fmt: skip
+    g.add_argument("--peer-kv-gib", type=float, default=4, help="--peer vllm: VLLM_CPU_KVCACHE_SPACE per server [4]")
     g = p.add_argument_group("load")
     g.add_argument(
         "--prompt-sets",
@@ -764,17 +499,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("nothing to run: give --concurrency and/or --request-rate")
     if not 0.0 <= args.length_range_ratio < 1.0:
         p.error("--length-range-ratio must be in [0, 1)")
+    if args.peer == "vllm" and not args.peer_python:
+        p.error("--peer vllm needs --peer-python PATH (vLLM's own environment: it pins its own torch)")
+    if args.peer_ngram_k and args.peer != "vllm":
+        p.error("--peer-ngram-k needs --peer vllm")
     if args.base_url and urlparse(args.base_url).hostname not in LOOPBACK_HOSTS:
         p.error("--base-url must be a loopback address (127.0.0.1, localhost, ::1)")
     return args
-
-
-def write_report(out_dir: Path, meta: dict, runs: list[dict]) -> str:
-    report = {"meta": meta, "runs": runs, "tradeoff": tradeoff(runs)}
-    (out_dir / "serve_bench.json").write_text(json.dumps(report, indent=1))
-    text = markdown(report)
-    (out_dir / "serve_bench.md").write_text(text)
-    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -797,24 +528,19 @@ def main(argv: list[str] | None = None) -> int:
         "base_url": args.base_url,
         "argv": sys.argv[1:] if argv is None else argv,
     }
+    peers: list[Peer] = []
     try:
-        if server:
-            server.wait_ready(args.ready_timeout)
-        runs = asyncio.run(benchmark(args.base_url or server.url, args, prompts, meta))
-        if server:
-            server.stop()
-            server = None
-        if args.peer:
-            server = TransformersServeProcess(args, args.out_dir / "peer.log")
-            meta["peer"] = f"transformers serve --continuous-batching ({server.dtype})"
-            server.wait_ready(args.ready_timeout)
-            runs += asyncio.run(benchmark_peer(server.url, args, prompts, meta))
+        peers = start_peers(args, args.out_dir)
+        meta["peers"] = {peer.mode: peer.label for peer in peers}
+        for waiting in [*([server] if server else []), *(peer.server for peer in peers)]:
+            waiting.wait_ready(args.ready_timeout)
+        runs = asyncio.run(benchmark(args.base_url or server.url, args, prompts, meta, peers))
     except (ServerError, httpx.HTTPError) as exc:
         print(f"serve_bench: error: {exc}", file=sys.stderr)
         return 2
     finally:
-        if server:
-            server.stop()
+        for running in [*([server] if server else []), *(peer.server for peer in peers)]:
+            running.stop()
     meta["loadavg_at_end"] = os.getloadavg()
     text = write_report(args.out_dir, meta, runs)
     if not args.no_plot and not plot(runs, plot_title(meta), args.out_dir / "serve_bench.png"):

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from benchmarks import serve_bench
+from benchmarks import serve_bench, serve_report
+from benchmarks.peers import Peer, VllmServe
 from scheduler.policy import PLAIN_REASONS
 
 MODES = ("off", "on", "auto")
@@ -104,10 +105,10 @@ def test_serve_bench_smoke(tmp_path, tiny_llama_dir, tiny_draft_dir):
 
 
 def test_percentiles_interpolate_linearly():
-    stats = serve_bench.percentiles([0.004, 0.001, 0.003, 0.002, 0.005])  # seconds -> ms
+    stats = serve_report.percentiles([0.004, 0.001, 0.003, 0.002, 0.005])  # seconds -> ms
     assert stats["p50"] == pytest.approx(3.0) and stats["mean"] == pytest.approx(3.0)
     assert stats["p95"] == pytest.approx(4.8) and stats["p99"] == pytest.approx(4.96)
-    assert serve_bench.percentiles([]) is None
+    assert serve_report.percentiles([]) is None
 
 
 def test_chunks_count_tokens_from_continuous_usage():
@@ -139,7 +140,7 @@ def test_tradeoff_names_the_crossover_and_auto_against_the_better_mode():
     tps = {1: (10, 15, 14.9), 2: (20, 18, 21), 4: (40, 41, 40), 8: (80, 60, 60)}  # off, on, auto
     runs = [{"load_kind": "concurrency", "load": level, "mode": mode, "output_throughput": value}
             for level, values in tps.items() for mode, value in zip(("off", "on", "auto"), values)]  # fmt: skip
-    summary = serve_bench.tradeoff(runs)
+    summary = serve_report.tradeoff(runs)
     assert summary["crossover_concurrency"] == 8  # on beat off again at 4
     assert summary["worst_auto_vs_best"] == {"load_kind": "concurrency", "load": 8, "auto_vs_best": 0.75}
     assert [round(r["on_vs_off"], 2) for r in summary["rows"]] == [1.5, 0.9, 1.02, 0.75]
@@ -167,8 +168,8 @@ def test_natural_lengths_leave_the_end_of_sequence_to_the_model():
     assert serve_bench.parse_args(["--lengths", "natural"]).lengths == "natural"
     body = serve_bench.request_body("m", prompt, "off", 64, ignore_eos=False)
     assert body["ignore_eos"] is False and body["max_tokens"] == 64 and body["speculation"] is False
-    assert serve_bench.length_label({"max_tokens": 64}) == "64 tokens (ignore_eos)"  # reports from before the flag
-    assert serve_bench.length_label({"max_tokens": 64, "lengths": "natural"}) == "up to 64 tokens (to end of sequence)"
+    assert serve_report.length_label({"max_tokens": 64}) == "64 tokens (ignore_eos)"  # reports from before the flag
+    assert serve_report.length_label({"max_tokens": 64, "lengths": "natural"}) == "up to 64 tokens (to end of sequence)"
 
 
 def test_a_range_ratio_spreads_each_requests_max_tokens_alike_in_every_mode():
@@ -176,7 +177,52 @@ def test_a_range_ratio_spreads_each_requests_max_tokens_alike_in_every_mode():
     with pytest.raises(SystemExit):
         serve_bench.parse_args(["--length-range-ratio", "1"])
     meta = {"max_tokens": 64, "length_range_ratio": 0.5}
-    assert serve_bench.length_label(meta) == "64 x [0.5, 1.5] tokens (ignore_eos)"
+    assert serve_report.length_label(meta) == "64 x [0.5, 1.5] tokens (ignore_eos)"
     assert (
-        serve_bench.length_label({**meta, "lengths": "natural"}) == "up to 64 x [0.5, 1.5] tokens (to end of sequence)"
+        serve_report.length_label({**meta, "lengths": "natural"}) == "up to 64 x [0.5, 1.5] tokens (to end of sequence)"
     )
+
+
+def test_peer_columns_set_plain_decoding_and_n_gram_speculation_beside_the_peers():
+    tps = {"off": 90.0, "on": 120.0, "auto": 130.0, "vllm": 100.0, "vllm-ngram-k3": 110.0, "vllm-ngram-k5": 104.0}
+    runs = [{"load_kind": "concurrency", "load": 1, "mode": mode, "output_throughput": value}
+            for mode, value in tps.items()]  # fmt: skip
+    (row,) = serve_report.tradeoff(runs)["rows"]
+    assert row["off_vs_peer"] == pytest.approx(0.9)
+    assert row["auto_vs_peer_ngram"] == pytest.approx(130 / 110)  # against the peer's best K
+    assert row["on_vs_peer_ngram"] == pytest.approx(120 / 110)
+    assert row["auto_vs_peer"] == pytest.approx(1.3)
+    text = "\n".join(serve_report.tradeoff_markdown(serve_report.tradeoff(runs)))
+    assert "| load | off | on | auto | vllm | vllm-ngram-k3 | vllm-ngram-k5 | on / off |" in text
+    assert "auto / best peer n-gram" in text and "off / peer" in text
+
+
+def test_peer_requests_carry_only_what_the_peer_takes():
+    prompt = serve_bench.Prompt("p0", "Hello")
+    vllm = Peer("vllm", VllmServe.__new__(VllmServe))
+    body = serve_bench.request_body("peer", prompt, "vllm", 64, cache_salt="s", peer=vllm)
+    assert body["ignore_eos"] is True and body["stream_options"]["continuous_usage_stats"] is True
+    assert "speculation" not in body and "cache_salt" not in body
+    transformers = Peer("transformers", object.__new__(serve_bench.SpecdServer))
+    body = serve_bench.request_body("peer", prompt, "transformers", 64, peer=transformers)
+    assert "ignore_eos" not in body and "stream_options" not in body
+
+
+def test_a_vllm_peer_needs_its_own_python(capsys):
+    with pytest.raises(SystemExit):
+        serve_bench.parse_args(["--peer", "vllm"])
+    assert "--peer-python" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve_bench.parse_args(["--peer-ngram-k", "3"])
+    args = serve_bench.parse_args(["--peer", "vllm", "--peer-python", "/x/bin/python", "--peer-ngram-k", "3,5"])
+    assert args.peer_ngram_k == [3, 5]
+
+
+def test_vllm_n_gram_peer_drafts_with_specds_lookup_windows():
+    server = VllmServe.__new__(VllmServe)
+    server.ngram_k = 5
+    assert server.speculative_config == {
+        "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 4
+    }  # fmt: skip
+    server.ngram_k = 0
+    assert server.speculative_config is None
