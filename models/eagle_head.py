@@ -37,15 +37,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from models.forward import cache_kwargs
 from models.kv_cache import text_config
-from models.linear_kernels import (
-    PADDED,
-    STANDARD_LAYOUT,
-    UNTUNED,
-    ModelKernels,
-    install,
-    linear_layers,
-    transposed_linear,
-)
+from models.linear_kernels import PACKED, UNTUNED, ModelKernels, install, linear, linear_layers, pack
 
 HEAD_FORMAT = 1
 CONFIG_FILE = "eagle_head.json"
@@ -179,6 +171,7 @@ class EagleHead(nn.Module):
     draft_vocab: torch.Tensor  # [draft_vocab_size] target token ids
     lm_head: torch.Tensor  # [draft_vocab_size, H] the target's output rows for them
     kernels: ModelKernels = UNTUNED  # GEMM layout per row count (`use_kernels`)
+    _packed_lm_head: torch.Tensor | None = None  # `lm_head` reordered, where the output table packs
 
     def __init__(self, config: HeadConfig, embed: nn.Embedding, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor,
                  attn_implementation: str = "sdpa"):  # fmt: skip
@@ -244,9 +237,9 @@ class EagleHead(nn.Module):
         """[N, H] -> [N, draft_vocab_size] logits over the draft vocabulary (float32)."""
         g = g.to(self.lm_head.dtype)
         layout = self.kernels.output.layout(g.shape[0])
-        if layout == STANDARD_LAYOUT:
-            return (g @ self.lm_head.T).float()
-        return transposed_linear(g, self.lm_head, None, padded=layout == PADDED).float()
+        if layout == PACKED and self._packed_lm_head is None:
+            self._packed_lm_head = pack(self.lm_head)
+        return linear(g, self.lm_head, None, layout, self._packed_lm_head).float()
 
     def full_logits(self, g: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, vocab] float32, -inf outside the draft vocabulary (q = 0 there)."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
 from models.kv_cache import KVCache, StepLayout, text_config
+from models.llama import LlamaForward
 
 # Config fields of models whose logits are not plain `lm_head(h)` (Gemma's softcap, Cohere's and
 # Granite's scales): `forward_with_hidden` would get them wrong, so a head cannot serve them.
@@ -37,6 +39,20 @@ def _cache_keyword(cls: type[torch.nn.Module]) -> str:
     return _CACHE_KEYWORDS[cls]
 
 
+def lean_forward(model) -> LlamaForward | None:
+    """specd's own forward for `model` (built once), or None where transformers' must run."""
+    if model not in _LEAN:
+        # Outside inference mode: the fused weights become the model's own parameters (views).
+        with torch.inference_mode(False), torch.no_grad():
+            _LEAN[model] = LlamaForward.build(model) if USE_LEAN_FORWARD else None
+    return _LEAN[model]
+
+
+# Whether models specd knows run its own forward (`models.llama`); False runs transformers' everywhere.
+USE_LEAN_FORWARD = True
+_LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @torch.inference_mode()
 def forward_step(
     model, cache: KVCache, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor | int
@@ -48,6 +64,17 @@ def forward_step(
     logits are wanted (the lm_head runs only on those; 0 = all). Returns
     float32 logits `[len(keep), vocab]`.
     """
+    lean = lean_forward(model)
+    if lean is not None:
+        return lean(cache, layout, input_ids, keep)[0]
+    return hf_forward_step(model, cache, layout, input_ids, keep)
+
+
+@torch.inference_mode()
+def hf_forward_step(
+    model, cache: KVCache, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor | int
+) -> torch.Tensor:
+    """`forward_step` through transformers' own forward (any decoder that uses the attention interface)."""
     with laid_out(cache, layout):
         out = model(
             input_ids=input_ids[None],
@@ -73,6 +100,22 @@ def forward_with_hidden(
     token's hidden state: the last one `[T, H]` (after the final norm: what the lm_head reads),
     or with `layers` (indices into the model's `hidden_states`) those layers' side by side
     `[T, len(layers) H]`. The base model runs once and the output layer only on the `keep` rows."""
+    lean = lean_forward(model)
+    if lean is not None:
+        return lean(cache, layout, input_ids, keep, layers or ())
+    return hf_forward_with_hidden(model, cache, layout, input_ids, keep, layers)
+
+
+@torch.inference_mode()
+def hf_forward_with_hidden(
+    model,
+    cache: KVCache,
+    layout: StepLayout,
+    input_ids: torch.Tensor,
+    keep: torch.Tensor,
+    layers: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward_with_hidden` through transformers' own forward."""
     decoder = model.get_decoder()
     with laid_out(cache, layout), captured_layers(decoder, layers or ()) as states:
         out = decoder(

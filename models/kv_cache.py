@@ -18,7 +18,10 @@ row only inside attention, so the MLPs never compute on padding.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,7 @@ from models.transfer import DeviceArrays, HostBuffer
 from scheduler.kv_blocks import blocks_for
 
 ATTN_IMPLEMENTATION = "specd"
+logger = logging.getLogger("specd.models")
 
 
 # Rows whose queries are padded into one attention call: more new tokens than
@@ -259,6 +263,12 @@ class KVCache:
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         return config.num_hidden_layers, num_kv_heads, head_dim
 
+    @staticmethod
+    def heads(config) -> tuple[int, int, int]:
+        """(attention heads, kv heads, head dim) of an HF model config."""
+        _, num_kv_heads, head_dim = KVCache.dims(config)
+        return text_config(config).num_attention_heads, num_kv_heads, head_dim
+
     @classmethod
     def bytes_per_block(cls, config, block_size: int, dtype: torch.dtype) -> int:
         layers, kv_heads, head_dim = cls.dims(config)
@@ -301,10 +311,19 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     HF attention functions do."""
     layout: StepLayout = kwargs["specd_layout"]
     q = query[0].transpose(0, 1)  # [T, H, D]
+    out = attend(layout, q, key, value, scaling, getattr(module, "sliding_window", None))
+    return out.unsqueeze(0), None
+
+
+def attend(
+    layout: StepLayout, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scaling, sliding_window=None
+) -> torch.Tensor:
+    """q [T, H, D] (the step's packed queries) over the pools [KVH, rows, D] -> [T, H, D],
+    each attention group's keys read through its rows' block tables."""
+    key, value = k_pool, v_pool
     num_tokens, num_heads, head_dim = q.shape
-    sliding_window = getattr(module, "sliding_window", None)
     if len(layout.groups) == 1 and layout.groups[0].token_index is None:
-        return _attend_group(layout.groups[0], q, key, value, scaling, sliding_window).unsqueeze(0), None
+        return _attend_group(layout.groups[0], q, key, value, scaling, sliding_window)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for group in layout.groups:
         q_group = q if group.token_index is None else q.index_select(0, group.token_index)
@@ -313,7 +332,7 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
             out = out_group
         else:
             out.index_copy_(0, group.token_index, out_group)
-    return out.unsqueeze(0), None
+    return out
 
 
 def _attend_group(group: AttentionGroup, q, k_pool, v_pool, scaling, sliding_window) -> torch.Tensor:
@@ -347,13 +366,58 @@ def _attend_group(group: AttentionGroup, q, k_pool, v_pool, scaling, sliding_win
 
 
 def _prefers_grouped(query, num_rows: int, max_q: int, max_kv: int) -> bool:
-    """On CPU, SDPA's bf16/fp16 kernels are several times slower than two plain
-    matmuls for decode-shaped work (measured, bf16, 500 keys: 219 vs 69 us at
-    batch 1, 738 vs 94 us at batch 4), but faster for very short contexts and
-    for long prefills (256 x 256: 0.97 vs 2.5 ms). float32 and GPUs use SDPA."""
-    if query.device.type != "cpu" or query.dtype == torch.float32:
+    """Two plain matmuls instead of SDPA, for decode- and verify-shaped work in bf16/fp16 on a
+    CPU where `tune_attention` found them faster. SDPA's reduced-precision CPU kernels vary with
+    the machine and the torch build: on a 2-core AMX Xeon with torch 2.13, SDPA ran batch-1 decode
+    over 300 keys in 26 us against 97, where an earlier machine had measured 219 us against 69."""
+    if query.device.type != "cpu" or query.dtype == torch.float32 or not _GROUPED.get(query.dtype, False):
         return False
     return max_q < 32 and num_rows * max_kv > 160
+
+
+# Per dtype: whether the grouped matmuls beat SDPA on this CPU (`tune_attention`); absent: SDPA.
+_GROUPED: dict[torch.dtype, bool] = {}
+# (rows, new tokens per row, keys): batch-1 and batch-8 decode, a batch of 4 verifies.
+TUNED_SHAPES = ((1, 1, 512), (8, 1, 512), (4, 5, 512))
+
+
+@torch.inference_mode()
+def tune_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Time SDPA against the grouped matmuls on decode and verify shapes of this model's heads,
+    once per process and dtype (CPU, reduced precision only); True where grouped wins by 5%."""
+    if dtype == torch.float32 or dtype in _GROUPED:
+        return _GROUPED.get(dtype, False)
+    started = time.perf_counter()
+    totals = {"sdpa": 0.0, "grouped": 0.0}
+    for rows, new, keys in TUNED_SHAPES:
+        q = torch.randn(rows, num_heads, new, head_dim, dtype=dtype)
+        k = torch.randn(num_kv_heads, rows, keys, head_dim, dtype=dtype)
+        v = torch.randn_like(k)
+        mask = torch.ones(rows, 1, new, keys, dtype=torch.bool).tril(keys - new)
+        gqa = num_kv_heads != num_heads
+        runs = {
+            "sdpa": partial(
+                F.scaled_dot_product_attention, q, k.transpose(0, 1), v.transpose(0, 1), mask, enable_gqa=gqa
+            ),
+            "grouped": partial(_grouped_attention, q, k, v, mask, None),
+        }
+        for run in runs.values():
+            run()
+        for _ in range(5):  # interleaved: a slow moment hurts both alike
+            for name, run in runs.items():
+                start = time.perf_counter()
+                for _ in range(10):
+                    run()
+                totals[name] += time.perf_counter() - start
+    grouped = _GROUPED[dtype] = totals["grouped"] < 0.95 * totals["sdpa"]
+    logger.info(
+        "attention (%s): %s (grouped matmuls / SDPA %.2f; timed in %.1fs)",
+        str(dtype).removeprefix("torch."),
+        "grouped matmuls" if grouped else "SDPA",
+        totals["grouped"] / totals["sdpa"],
+        time.perf_counter() - started,
+    )
+    return grouped
 
 
 def _grouped_attention(q, key, value, mask, scaling):

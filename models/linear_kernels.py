@@ -25,8 +25,9 @@ import bisect
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,11 @@ REPEATS = 3
 MIN_GAIN = 0.05
 
 
-STANDARD_LAYOUT, TRANSPOSED, PADDED = 0, 1, 2  # x @ W^T; (W @ x^T)^T; one row computed as two, transposed
+# x @ W^T; (W @ x^T)^T; one row computed as two, transposed; oneDNN on a weight reordered once
+# for its kernels (`pack`). On an AMX CPU in bf16 the packed product of SmolLM2's MLP weights ran
+# 1-64 rows in 0.5-0.7 of F.linear's time; on float32 it is often no faster: the timing decides.
+STANDARD_LAYOUT, TRANSPOSED, PADDED, PACKED = 0, 1, 2, 3
+LAYOUT_NAMES = {STANDARD_LAYOUT: "x @ W^T", TRANSPOSED: "(W @ x^T)^T", PADDED: "(W @ [x; x]^T)^T", PACKED: "packed"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,9 @@ class KernelTable:
             return STANDARD_LAYOUT
         return self.layouts[bisect.bisect_right(RUNGS, num_tokens) - 1]
 
+    def uses(self, layout: int) -> bool:
+        return layout in self.layouts
+
     def layout(self, num_tokens: int) -> int:
         return self._by_tokens[num_tokens] if num_tokens <= RUNGS[-1] else STANDARD_LAYOUT
 
@@ -81,7 +89,7 @@ class KernelTable:
         """The table as one log line: runs of token counts sharing a layout."""
         if not self.layouts:
             return "x @ W^T everywhere (not tuned)"
-        names = {STANDARD_LAYOUT: "x @ W^T", TRANSPOSED: "(W @ x^T)^T", PADDED: "(W @ [x; x]^T)^T"}
+        names = LAYOUT_NAMES
         parts, i = [], 0
         while i < len(RUNGS):
             j = i
@@ -119,15 +127,43 @@ UNTUNED = ModelKernels()
 
 
 class TunedLinear(nn.Linear):
-    """An `nn.Linear` whose product layout follows a `KernelTable` (same weights, same state dict)."""
+    """An `nn.Linear` whose product layout follows a `KernelTable` (same weights, same state dict;
+    a table that packs keeps the packed copy beside the weight, `packed_weight`)."""
 
     kernel_table: KernelTable = STANDARD
+    packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layout = self.kernel_table.layout(x.numel() // self.in_features)
-        if layout == STANDARD_LAYOUT:
-            return F.linear(x, self.weight, self.bias)
-        return transposed_linear(x, self.weight, self.bias, padded=layout == PADDED)
+        return linear(x, self.weight, self.bias, layout, self.packed_weight)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: int, packed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W^T + b in `layout` (PACKED needs `packed`, `pack(weight)`)."""
+    if layout == STANDARD_LAYOUT:
+        return F.linear(x, weight, bias)
+    if layout == PACKED:
+        assert packed is not None, "the packed layout needs the packed weight"
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return transposed_linear(x, weight, bias, padded=layout == PADDED)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """oneDNN's reordered weights: CPU builds with oneDNN, bf16 and float32."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float32)
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] reordered once into oneDNN's blocked layout (a copy of its bytes)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
 def transposed_linear(
@@ -165,7 +201,7 @@ Weight = tuple[torch.Tensor, torch.Tensor | None]
 
 
 @torch.inference_mode()
-def tune(layers: Iterable[nn.Linear], timer: Timer = wall_seconds) -> KernelTable:
+def tune(layers: Iterable[Any], timer: Timer = wall_seconds) -> KernelTable:
     """Time both layouts over a sample of `layers`' weights at every rung; the median of
     `REPEATS` interleaved passes decides."""
     started = time.perf_counter()
@@ -177,20 +213,19 @@ def tune(layers: Iterable[nn.Linear], timer: Timer = wall_seconds) -> KernelTabl
     inputs = {
         n: torch.randn(RUNGS[-1], n, dtype=weight.dtype, device=weight.device) for n in {w.shape[1] for w, _ in sample}
     }
+    packing = can_pack(weight)
+    packed = {id(timed): [pack(w) if packing else None for w, _ in timed] for timed in (sample, ladder_sample)}
     layouts, ratios = [], []
     for m in RUNGS:
         rows = {n: x[:m] for n, x in inputs.items()}
         timed = sample if m < LADDER_FROM else ladder_sample
-        candidates = (TRANSPOSED, PADDED) if m == 1 else (TRANSPOSED,)
+        candidates: tuple[int, ...] = (TRANSPOSED, PADDED) if m == 1 else (TRANSPOSED,)
+        candidates += (PACKED,) if packing else ()
 
         def run(layout: int, rows=rows, timed=timed) -> Callable[[], None]:
             def passes() -> None:
-                for w, b in timed:
-                    x = rows[w.shape[1]]
-                    if layout == STANDARD_LAYOUT:
-                        F.linear(x, w, b)
-                    else:
-                        transposed_linear(x, w, b, padded=layout == PADDED)
+                for (w, b), p in zip(timed, packed[id(timed)]):
+                    linear(rows[w.shape[1]], w, b, layout, p)
 
             return passes
 
@@ -228,13 +263,15 @@ def _sample(weights: Iterable[Weight], budget: int) -> list[Weight]:
 _TABLES: dict[tuple, KernelTable] = {}
 
 
-def tune_model(model: nn.Module) -> ModelKernels:
+def tune_model(model: nn.Module, gemms: Sequence[Any] | None = None) -> ModelKernels:
     """Tune `model`'s decoder layers and its output projection (CPU only), each on its own
-    weights, and make them follow their tables; returns both."""
+    weights, and make them follow their tables; returns both. `gemms`: the decoder's products
+    as they really run, when not its linear layers one by one (a forward that fuses q, k and v
+    multiplies by their concatenation, and that shape is what is timed)."""
     output, layers = _split(model)
     if not layers or layers[0].weight.device.type != "cpu":
         return UNTUNED
-    layers_table = _table(layers, "decoder layers")
+    layers_table = _table(list(gemms) if gemms else layers, "decoder layers")
     output_table = _table([output], "output projection") if output is not None else STANDARD
     kernels = ModelKernels(layers_table, output_table)
     install_model(model, kernels)
@@ -257,10 +294,10 @@ def _split(model: nn.Module) -> tuple[nn.Linear | None, list[nn.Linear]]:
     return output, [m for m in linear_layers(model) if m is not output]
 
 
-def _table(layers: list[nn.Linear], role: str) -> KernelTable:
+def _table(layers: list[Any], role: str) -> KernelTable:
     """The process's table for these layers' shapes, tuned (and logged) the first time only."""
     weight = layers[0].weight
-    key = (weight.dtype, torch.get_num_threads(), tuple(sorted({(m.out_features, m.in_features) for m in layers})))
+    key = (weight.dtype, torch.get_num_threads(), tuple(sorted({tuple(m.weight.shape) for m in layers})))
     table = _TABLES.get(key)
     if table is None:
         logger.info("timing GEMM layouts for the %s (--no-tune-kernels skips this)", role)
@@ -270,8 +307,11 @@ def _table(layers: list[nn.Linear], role: str) -> KernelTable:
 
 
 def install(layers: Iterable[nn.Linear], table: KernelTable) -> None:
+    packs = table.uses(PACKED)
     for layer in layers:
         if type(layer) is nn.Linear:
             layer.__class__ = TunedLinear
         if isinstance(layer, TunedLinear):
             layer.kernel_table = table
+            if packs and layer.packed_weight is None:
+                layer.packed_weight = pack(layer.weight)

@@ -40,6 +40,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from models.forward import lean_forward
+from models.kv_cache import KVCache, tune_attention
 from models.linear_kernels import UNTUNED, ModelKernels, tune_model
 
 logger = logging.getLogger("specd.models")
@@ -156,7 +158,12 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model, tokenizer = _load_pretrained(_hf_source(cfg.model), model_id, cfg, device, dtype)
     model.eval()
     model.requires_grad_(False)
-    kernels = tune_model(model) if cfg.tune_kernels else UNTUNED
+    lean = lean_forward(model)  # fuses q/k/v and gate/up first: the products are timed as they run
+    kernels = tune_model(model, lean.gemms() if lean else None) if cfg.tune_kernels else UNTUNED
+    if lean is not None and kernels.is_tuned:
+        lean.use_kernels(kernels.layers)
+    if cfg.tune_kernels and device.type == "cpu":
+        tune_attention(*KVCache.heads(model.config), dtype)
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,

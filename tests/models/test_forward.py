@@ -1,5 +1,7 @@
 """The packed ragged forward over the paged KV cache reproduces HF's own logits:
-scattered and consecutive block tables, shared prefix blocks, and rollback."""
+scattered and consecutive block tables, shared prefix blocks, and rollback. Every
+test runs both forwards: specd's own for the Llama family (`models.llama`) and
+transformers' with specd's cache and attention."""
 
 from __future__ import annotations
 
@@ -41,6 +43,15 @@ def _all(token_lists):
 @torch.inference_mode()
 def _hf_logits(ref, ids):
     return ref(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(autouse=True, params=["lean", "transformers"])
+def forward_path(request, monkeypatch):
+    from models import forward
+
+    monkeypatch.setattr(forward, "USE_LEAN_FORWARD", request.param == "lean")
+    monkeypatch.setattr(forward, "_LEAN", type(forward._LEAN)())
+    return request.param
 
 
 @pytest.fixture(params=["llama", "qwen2"])

@@ -9,6 +9,7 @@ from torch import nn
 
 from models import linear_kernels
 from models.linear_kernels import (
+    PACKED,
     PADDED,
     RUNGS,
     STANDARD_LAYOUT,
@@ -59,6 +60,8 @@ def test_tuner_keeps_the_faster_layout_per_token_count():
             return 1.0
         if layout == PADDED:
             return 0.7  # one row computed as two beats the matrix-vector kernel
+        if layout == PACKED:
+            return 1.1  # never the faster here
         return 0.5 if 2 <= m <= 9 or m == 16 else 0.97 if m < 64 else 1.3  # 0.97: inside MIN_GAIN
 
     timer, calls = fake_timer(cost)
@@ -68,7 +71,8 @@ def test_tuner_keeps_the_faster_layout_per_token_count():
     assert [m for m in range(2, 40) if table.layout(m) == TRANSPOSED] == [*range(2, 10), 16]
     assert all(table.layout(m) == STANDARD_LAYOUT for m in (10, 15, 17, 64, 200, RUNGS[-1] + 1, 5000))
     assert table.ratios[RUNGS.index(2)] == 0.5 and table.ratios[RUNGS.index(64)] == 1.0
-    assert len(calls) == sum(linear_kernels.REPEATS * (3 if m == 1 else 2) for m in RUNGS)
+    # Every rung times x @ W^T, the transposed and the packed layouts (and at 1 row the padded one).
+    assert len(calls) == sum(linear_kernels.REPEATS * (4 if m == 1 else 3) for m in RUNGS)
     assert "2-9 tokens: (W @ x^T)^T (0.50-0.50 of the time)" in table.describe()
 
 
@@ -148,3 +152,16 @@ def test_the_output_projection_is_tuned_on_its_own_weights(tiny_llama_dir, monke
     assert output.kernel_table is output_table
     assert all(m.kernel_table is layers_table for m in linear_layers(model) if m is not output)
     assert "output projection: 1-256 tokens: x @ W^T" in kernels.describe()
+
+
+def test_the_packed_layout_wins_where_it_is_faster_and_computes_the_same_product():
+    layers = [nn.Linear(16, 32), nn.Linear(32, 16, bias=False)]
+    timer, _ = fake_timer(lambda layout, m: 0.6 if layout == PACKED and m <= 8 else 1.0)
+    table = tune(layers, timer)
+    assert [m for m in range(1, 12) if table.layout(m) == PACKED] == [*range(1, 9)]
+    install(layers, table)
+    for layer in layers:
+        assert layer.packed_weight is not None
+        x = torch.randn(5, layer.in_features)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert layer(x[None]).shape == (1, 5, layer.out_features)  # leading dims kept
