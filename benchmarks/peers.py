@@ -96,7 +96,7 @@ class VllmServe(SpecdServer):
     def command(self, args: list[str]) -> list[str]:
         command = [str(self.python.with_name("vllm")), "serve", str(self.model_dir), "--host", "127.0.0.1",
                    "--port", str(self.port), "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-                   "--max-num-seqs", str(self.max_num_seqs), "--disable-log-stats",
+                   "--max-num-seqs", str(self.max_num_seqs),
                    "--served-model-name", "peer"]  # fmt: skip
         if self.speculative_config:
             command += ["--speculative-config", json.dumps(self.speculative_config)]

@@ -156,6 +156,7 @@ class AttentionGroup:
     token_index: torch.Tensor | None
     pad_index: torch.Tensor | None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _additive: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _gather: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -180,6 +181,18 @@ class AttentionGroup:
                 visible[:, :, 0] |= ~visible.any(-1)
             self._masks[sliding_window] = visible[:, None]
         return self._masks[sliding_window]
+
+    def additive_mask(self, sliding_window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """`mask` as SDPA adds it (0 or -inf, in `dtype`), for queries folded `groups` heads deep:
+        [num_rows, 1, groups * max_q, num_keys], row g * max_q + i query i's. Built once per
+        step and reused by every layer, where SDPA would convert a boolean mask per call
+        (0.15 ms a layer for 16 verify rows over 320 keys on 2 cores)."""
+        key = (sliding_window, groups, dtype)
+        if key not in self._additive:
+            visible = self.mask(sliding_window).repeat(1, 1, groups, 1)
+            zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            self._additive[key] = zeros.masked_fill_(~visible, float("-inf"))
+        return self._additive[key]
 
     def keys_values(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' keys and values, [KVH, num_rows, num_keys, D]: a view of the pool
@@ -357,9 +370,23 @@ def _attend_group(group: AttentionGroup, q, k_pool, v_pool, scaling, sliding_win
             # A whole prompt on its own: plain causal attention (top-left aligned, so keys
             # past the prompt in its last block are never seen), flash-eligible on CUDA.
             out = F.scaled_dot_product_attention(grid, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        elif gqa and q.device.type == "cpu":
+            # GQA folded into the query axis, [S, KVH, groups * max_q, D]: on CPU one SDPA over
+            # the folded queries ran verify groups in 0.5-0.7 of `enable_gqa`'s time (bf16,
+            # 16 rows of 5-11 queries over 320 keys), decode groups in 0.85.
+            kv_heads = key.shape[1]
+            folded = grid.reshape(s, kv_heads, num_heads // kv_heads * max_q, head_dim)
+            mask = group.additive_mask(sliding_window, num_heads // kv_heads, q.dtype)
+            out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+            out = out.view(s, num_heads, max_q, head_dim)
         else:
+            mask = (
+                group.additive_mask(sliding_window, 1, q.dtype)
+                if q.device.type == "cpu"
+                else group.mask(sliding_window)
+            )
             out = F.scaled_dot_product_attention(
-                grid, key, value, attn_mask=group.mask(sliding_window), scale=scaling, enable_gqa=gqa
+                grid, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa
             )  # [S, H, max_q, D]
     out = out.transpose(1, 2).reshape(s * max_q, num_heads, head_dim)
     return out if group.pad_index is None else out[group.pad_index]

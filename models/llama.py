@@ -158,7 +158,7 @@ class LlamaForward:
         keep: torch.Tensor | int,
         layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits `[len(keep), V]` (float32; keep 0: every token) and the hidden states
+        """Logits `[len(keep), V]` (the model's dtype; keep 0: every token) and the hidden states
         `[T, H * len(layers)]` of `layers` (decoder layer i's output; the last index is the
         final norm's output, as `models.forward.forward_with_hidden`), or `[T, H]` of the final
         norm's output when `layers` is empty."""
@@ -192,7 +192,7 @@ class LlamaForward:
                 kept[index] = x
         last = _rms_norm(x, self.norm, self.norm_eps)
         rows = last if isinstance(keep, int) else last.index_select(0, keep)  # keep 0: every row
-        logits = self.lm_head(rows).float()
+        logits = self.lm_head(rows)  # the model's dtype: callers convert where they need float32
         if not layers:
             return logits, last
         return logits, torch.cat([kept.get(i, last) for i in layers], dim=-1)

@@ -223,8 +223,24 @@ def greedy_ids(
     path, equal to sampling from `process_logits` (exactly one-hot) with any u,
     without materialising probabilities."""
     if not (st.has_logit_bias or st.has_penalties):
-        return logits.argmax(dim=-1)
-    return _biased_and_penalised(logits, st, output_counts, prompt_mask, draft_ids).argmax(dim=-1)
+        return argmax(logits)
+    return argmax(_biased_and_penalised(logits, st, output_counts, prompt_mask, draft_ids))
+
+
+ARGMAX_BLOCKS = 8
+
+
+def argmax(x: Tensor) -> Tensor:
+    """`x.argmax(-1)`, the first of equal maxima included, from the maxima of 8 column blocks:
+    on CPU `argmax` scans a row serially, and over 49k columns at 32 rows this ran in 0.64 of
+    its time (the blocks' `max` parallelises). Rows whose length 8 does not divide use argmax."""
+    columns = x.shape[-1]
+    if x.device.type != "cpu" or columns % ARGMAX_BLOCKS or x.numel() < (1 << 16):
+        return x.argmax(dim=-1)
+    blocks = x.reshape(*x.shape[:-1], ARGMAX_BLOCKS, columns // ARGMAX_BLOCKS)
+    block_max, block_arg = blocks.max(dim=-1)  # [..., 8]: each block's first maximum
+    best = block_max.argmax(dim=-1, keepdim=True)  # the first block holding the row's maximum
+    return block_arg.gather(-1, best).squeeze(-1) + best.squeeze(-1) * (columns // ARGMAX_BLOCKS)
 
 
 def _biased_and_penalised(logits, st, output_counts, prompt_mask, draft_ids) -> Tensor:
@@ -268,7 +284,7 @@ def _apply_penalties(
 
 def _one_hot_argmax(logits: Tensor) -> Tensor:
     # Ties go to the lowest id (torch.argmax returns the first maximum).
-    return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.zeros_like(logits).scatter_(-1, argmax(logits)[..., None], 1.0)
 
 
 def _filtered_probs(logits: Tensor, st: SamplingTensors) -> Tensor:

@@ -243,3 +243,13 @@ def test_rows_only_a_forward_can_draft_for_keep_what_they_asked(tiny_llama_dir, 
     request = running("r", [20, 21, 22, 23], 0)
     step(runner, [request], [0])
     assert runner.host_draft_lengths([request], [3]) == [3]
+
+
+def test_a_row_is_finite_exactly_when_none_of_its_logits_is_nan_or_infinite():
+    from models.runner import all_finite
+
+    logits = torch.randn(5, 1000) * 50
+    logits[1, 7] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3, 999] = float("-inf")
+    assert all_finite(logits).tolist() == [True, False, False, False, True]

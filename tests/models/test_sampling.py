@@ -349,3 +349,14 @@ def test_compute_logprobs_matches_log_softmax(top_n):
     assert top_ids.shape == top_logprobs.shape == (6, top_n)
     assert torch.equal(top_ids, reference.topk(top_n, dim=-1).indices)
     torch.testing.assert_close(top_logprobs.double(), reference.topk(top_n, dim=-1).values, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(3, 49152), (2, 4, 4096), (5, 100), (1, 1 << 17)])
+def test_blocked_argmax_is_torch_argmax_ties_included(shape):
+    from models.sampling import argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, shape, generator=g).float()  # many ties: the first maximum must win
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    x = torch.randn(shape, generator=g)
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
