@@ -422,7 +422,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--peer-ngram-k", type=numbers, default=[],
                    help="--peer vllm: one n-gram speculating vLLM server per draft length, beside on and auto "
                         "(lookup windows 1-4, as specd's) [none]")  # fmt: skip
-    g.add_argument("--peer-kv-gib", type=float, default=1, help="--peer vllm: VLLM_CPU_KVCACHE_SPACE per server (GiB) [1]")
+    g.add_argument(
+        "--peer-kv-gib", type=float, default=1, help="--peer vllm: VLLM_CPU_KVCACHE_SPACE per server (GiB) [1]"
+    )
     g = p.add_argument_group("load")
     g.add_argument(
         "--prompt-sets",
