@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import transformers
 from huggingface_hub import constants as hf_constants
-from safetensors.torch import save_model
+from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -56,7 +56,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _CACHE_MARKER = "specd-cache.json"
-_CACHE_FORMAT = 2  # 2: config.json names `architectures`
+_CACHE_FORMAT = 3  # 2: config.json names `architectures`; 3: tied weights under the embedding's name
 _STALE_TMP_SECONDS = 3600
 _HASHED_BYTES = 4 << 20
 
@@ -367,8 +367,21 @@ def _save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    # Tied weights are stored once; from_pretrained re-ties them from config.tie_word_embeddings.
-    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(checkpoint_tensors(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def checkpoint_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The model's tensors as a Hub checkpoint names them: one storage shared by several names
+    (a tied output projection) is stored once, under the input embedding's name, as the original
+    checkpoint has it. Other loaders, vLLM among them, re-tie `lm_head` from `model.embed_tokens`
+    and ignore an `lm_head.weight`: stored under that name alone, the embedding read as missing
+    and every logit came out equal."""
+    names: dict[int, list[str]] = {}
+    state = model.state_dict()
+    for name, tensor in state.items():
+        names.setdefault(tensor.data_ptr(), []).append(name)
+    kept = [next((n for n in group if "embed" in n), group[0]) for group in names.values()]
+    return {name: state[name].detach().contiguous() for name in kept}
 
 
 def _build_atomically(cache: Path, build: Callable[[Path], None], source: Path) -> None:

@@ -271,3 +271,17 @@ def test_default_smollm2_gguf_converts_once_then_loads_from_cache(tmp_path, monk
     assert second.tokenizer.convert_tokens_to_ids("<|im_end|>") in second.eos_token_ids
     model = second.model
     assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+
+def test_a_tied_output_projection_is_stored_under_the_embeddings_name(tiny_llama_dir):
+    """Loaders that re-tie `lm_head` from `model.embed_tokens` (vLLM) must find the embedding."""
+    from transformers import AutoModelForCausalLM
+
+    from models.loader import checkpoint_tensors
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    tensors = checkpoint_tensors(model)
+    assert "model.embed_tokens.weight" in tensors and "lm_head.weight" not in tensors
+    assert len(tensors) == len({t.data_ptr() for t in model.state_dict().values()})
