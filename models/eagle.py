@@ -66,10 +66,10 @@ class EagleProposer(DeviceProposer):
         return kv + block_size * config.hidden_size * dtype.itemsize
 
     def info(self) -> dict:
-        """The head as GET /v1/speculation shows it."""
+        """The head as GET /v1/speculation shows it: its directory's name, not where it lies on disk."""
         config = self.head.config
         return {
-            "path": str(self.head_dir),
+            "name": self.head_dir.name,
             "draft_vocab_size": config.draft_vocab_size,
             "feature_layers": config.feature_layers,  # None: the target's last hidden state
             "training": config.training,

@@ -8,6 +8,7 @@ possibly empty). Model-free proposers have one-hot q (`probs` None).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,6 +25,18 @@ class Draft:
     # Model-free proposers that estimate it: each token's probability given the draft before it
     # (for the policy's expected gain; the rejection sampler still sees one-hot q).
     token_probs: list[float] | None = None
+
+
+@dataclass
+class TokensAfter:
+    """A request's tokens as they will stand after the step in flight: what the runner drafts
+    the next step from before the scheduler has appended them (the fields model-free
+    proposers read)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    prediction_ids: list[int] | None
 
 
 class Proposer(Protocol):
@@ -120,7 +133,7 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self._index: dict[str, NgramIndex] = {}
 
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
+    def propose(self, requests: Sequence[Request | TokensAfter], num_tokens: list[int]) -> list[Draft]:
         drafts = []
         for request, k in zip(requests, num_tokens):
             index = self._index.get(request.request_id)
@@ -139,34 +152,88 @@ class NgramProposer:
         self._index.pop(request_id, None)
 
 
+class PredictionIndex:
+    """Where each bigram of a prediction ends (positions that have a continuation), built once.
+
+    After the output diverges from the prediction, `continuation` re-synchronises on
+    the longest tail (2..max_n tokens) of the output that occurs in the prediction,
+    latest occurrence first, looking only at the `MAX_CANDIDATES` latest places the
+    output's last bigram occurs: O(max_n x candidates) a step whatever the
+    prediction's length (a prediction of one repeated token cannot make a step scan
+    all of it).
+    """
+
+    MAX_CANDIDATES = 64
+
+    def __init__(self, prediction: list[int], max_n: int = 8):
+        self.prediction = prediction
+        self.max_n = max_n
+        self._ends: dict[tuple[int, int], list[int]] = {}
+        for end in range(2, len(prediction)):  # end < len: a continuation follows
+            self._ends.setdefault((prediction[end - 2], prediction[end - 1]), []).append(end)
+
+    def continuation(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0 or len(tokens) < 2:
+            return []
+        ends = self._ends.get((tokens[-2], tokens[-1]))
+        if not ends:
+            return []
+        prediction, longest = self.prediction, min(self.max_n, len(tokens))
+        best_end, best_n = 0, 0
+        for end in reversed(ends[-self.MAX_CANDIDATES :]):  # latest first: ties keep the latest
+            n = 2
+            while n < longest and end > n and prediction[end - n - 1] == tokens[-n - 1]:
+                n += 1
+            if n > best_n:
+                best_end, best_n = end, n
+                if n == longest:
+                    break
+        return prediction[best_end : best_end + k]
+
+
+@dataclass
+class _PredictionState:
+    index: PredictionIndex | None = None  # built at the first divergence
+    checked: int = 0  # output tokens compared with the prediction so far
+    diverged: bool = False
+
+
 class PredictionProposer:
     """OpenAI Predicted Outputs: the request's `prediction` is the draft.
 
     While the output still equals a prefix of the prediction, propose the next
     prediction tokens; after a divergence, re-synchronise on the longest n-gram
-    of the output's tail that occurs in the prediction (edits in the middle of
-    a predicted file keep paying after the edit).
+    of the output's tail that occurs in the prediction (`PredictionIndex`: edits
+    in the middle of a predicted file keep paying after the edit). Each step costs
+    O(new tokens + max_n), never a rescan of the prediction.
     """
 
     method = "prediction"
 
-    def __init__(self, min_n: int = 2, max_n: int = 8):
-        self.min_n, self.max_n = min_n, max_n
+    def __init__(self, max_n: int = 8):
+        self.max_n = max_n
+        self._state: dict[str, _PredictionState] = {}
 
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
+    def propose(self, requests: Sequence[Request | TokensAfter], num_tokens: list[int]) -> list[Draft]:
         drafts = []
         for request, k in zip(requests, num_tokens):
             prediction = request.prediction_ids or []
             out = request.output_ids
-            if prediction[: len(out)] == out:
+            state = self._state.setdefault(request.request_id, _PredictionState())
+            if not state.diverged:
+                upto = min(len(out), len(prediction))
+                state.diverged = (
+                    len(out) > len(prediction) or out[state.checked : upto] != prediction[state.checked : upto]
+                )
+                state.checked = len(out)
+            if not state.diverged:
                 ids = prediction[len(out) : len(out) + k]
             else:
-                # Re-synchronise near where the output is: the latest occurrence.
-                ids = find_ngram_continuation(
-                    out, prediction, k, self.min_n, self.max_n, exclude_tail=False, earliest=False
-                )
+                if state.index is None:
+                    state.index = PredictionIndex(prediction, self.max_n)
+                ids = state.index.continuation(out, k)
             drafts.append(Draft(ids, self.method))
         return drafts
 
     def free(self, request_id: str) -> None:
-        pass
+        self._state.pop(request_id, None)

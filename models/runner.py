@@ -34,7 +34,7 @@ from models.eagle_head import held_out_rates
 from models.forward import forward_step, forward_with_hidden
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, LayoutPlan
 from models.loader import LoadedModel
-from models.proposers import Draft, NgramProposer, PredictionProposer, Proposer
+from models.proposers import Draft, NgramProposer, PredictionProposer, Proposer, TokensAfter
 from models.rejection import greedy_verify, rejection_sample
 from models.sampling import (
     STREAM_ACCEPT,
@@ -51,7 +51,7 @@ from models.sampling import (
 )
 from models.suffix import SuffixProposer
 from models.transfer import DeviceArrays, HostBuffer, download
-from scheduler.types import Batch, Request, RowOutput, ScheduledRow, StepOutput
+from scheduler.types import MAX_SPEC_TOKENS, Batch, HostDraft, Request, RowOutput, ScheduledRow, StepOutput
 
 logger = logging.getLogger("specd.models")
 
@@ -173,39 +173,75 @@ class ModelRunner:
         return self._lookup_lengths if self.lookup is not None else None
 
     def _lookup_lengths(self, requests: list[Request], num_tokens: list[int]) -> list[int]:
-        assert self.lookup is not None
-        try:
-            return [len(d.token_ids) for d in self.lookup.propose(requests, num_tokens)]
-        except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
-            logger.exception("prompt lookup failed while the step was planned; these rows plan no lookup draft")
-            return [0] * len(requests)
+        return [len(d.token_ids) if d else 0 for d in self.host_drafts(requests, num_tokens)]
 
     def host_draft_lengths(self, requests: list[Request], num_tokens: list[int]) -> list[int]:
         """For the policy: how many tokens (at most `num_tokens`) each row's host draft would
         carry now: Predicted Outputs' for a row with a prediction, else the n-gram proposer's.
-        The step that follows proposes from the same tokens, so it drafts exactly these.
-        Rows only a forward or a preview can answer for (a draft model, a head, suffix
-        decoding) keep `num_tokens`."""
-        lengths = list(num_tokens)
-        with_prediction = [i for i, r in enumerate(requests) if r.prediction_ids]
-        groups: list[tuple[list[int], Proposer]] = [(with_prediction, self.prediction)]
+        The step that follows verifies those very drafts. Rows only a forward or a preview
+        can answer for (a draft model, a head, suffix decoding) keep `num_tokens`."""
+        drafts = self.host_drafts(requests, num_tokens)
+        return [
+            len(d.token_ids) if d is not None and (r.prediction_ids or isinstance(self.proposer, NgramProposer)) else k
+            for r, k, d in zip(requests, num_tokens, drafts)
+        ]
+
+    def _host_proposer(self, request: Request) -> NgramProposer | PredictionProposer | None:
+        """The model-free proposer a row drafts from: its prediction, else prompt lookup
+        (the proposer itself, or the lookup beside a device proposer); None: no such draft."""
+        if request.prediction_ids:
+            return self.prediction
         if isinstance(self.proposer, NgramProposer):
-            groups.append(([i for i, r in enumerate(requests) if not r.prediction_ids], self.proposer))
-        for index, proposer in groups:
-            if not index:
+            return self.proposer
+        return self.lookup
+
+    def host_drafts(self, requests: list[Request], num_tokens: list[int]) -> list[Draft | None]:
+        """Each row's host draft of at most k tokens: the one made at the end of the last
+        step (`Request.host_draft`) where it covers the request's tokens, else made now."""
+        drafts: list[Draft | None] = []
+        for request, k in zip(requests, num_tokens):
+            proposer = self._host_proposer(request)
+            if proposer is None:
+                drafts.append(None)
+                continue
+            cached = request.host_draft
+            if cached is not None and cached.fits(
+                proposer.method, len(request.prompt_ids) + len(request.output_ids), k
+            ):
+                drafts.append(Draft(cached.token_ids[:k], proposer.method))
                 continue
             try:
-                drafts = proposer.propose([requests[i] for i in index], [num_tokens[i] for i in index])
+                (draft,) = proposer.propose([request], [k])
             except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
-                logger.exception("%s proposer failed while the step was planned; these rows plan no draft",
-                                 proposer.method)  # fmt: skip
-                drafts = [Draft([], proposer.method) for _ in index]
-            for i, draft in zip(index, drafts):
-                lengths[i] = len(draft.token_ids)
-        return lengths
+                logger.exception("%s proposer failed; this row drafts nothing this step", proposer.method)
+                draft = Draft([], proposer.method)
+            drafts.append(draft)
+        return drafts
+
+    def _next_host_drafts(self, plan: StepPlan, outputs: dict[str, RowOutput]) -> None:
+        """Make each sampled row's host draft for the step after this one, here on the step
+        thread, so the policy (on the event loop) and the next step only read it."""
+        for i in plan.sample_rows:
+            request = plan.rows[i].request
+            out = outputs.get(request.request_id)
+            proposer = self._host_proposer(request)
+            if proposer is None or out is None or not out.token_ids:
+                continue
+            if len(request.output_ids) + len(out.token_ids) >= request.params.max_tokens:
+                continue  # the request ends with this step
+            after = TokensAfter(request.request_id, request.prompt_ids, request.output_ids + out.token_ids,
+                                request.prediction_ids)  # fmt: skip
+            try:
+                (draft,) = proposer.propose([after], [MAX_SPEC_TOKENS])
+            except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
+                logger.exception("%s proposer failed; the next step makes its draft again", proposer.method)
+                continue
+            num_tokens = len(request.prompt_ids) + len(after.output_ids)
+            out.next_host_draft = HostDraft(proposer.method, num_tokens, MAX_SPEC_TOKENS, draft.token_ids)
 
     def free(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
+            self.prediction.free(request_id)
             if self.proposer:
                 self.proposer.free(request_id)
             if self.lookup:
@@ -225,6 +261,7 @@ class ModelRunner:
         logits = self._forward(plan, arrays, device_draft)
         outputs = self._sample(plan, arrays, logits, device_draft) if plan.sample_rows else {}
         clock.lap(_forward_phase(plan))
+        self._next_host_drafts(plan, outputs)
         output = self._step_output(plan, outputs, clock.phases)
         if isinstance(self.proposer, SuffixProposer):
             output.suffix_cache_nodes = self.proposer.num_cache_nodes
@@ -345,31 +382,38 @@ class ModelRunner:
         """Model-free drafts per row, and the rows a device proposer will draft for on the device."""
         drafts: list[Draft | None] = [None] * len(rows)
         spec = [i for i, row in enumerate(rows) if row.sample and row.num_spec_tokens > 0]
-        with_prediction = [i for i in spec if rows[i].request.prediction_ids]
-        plain_spec = [i for i in spec if not rows[i].request.prediction_ids]
         if isinstance(self.proposer, DeviceProposer):
-            self._run_host(self.prediction, rows, with_prediction, drafts)
-            with_lookup = [i for i in plain_spec if rows[i].use_lookup] if self.lookup is not None else []
-            self._run_host(self.lookup, rows, with_lookup, drafts)
-            on_device = [i for i in plain_spec if i not in with_lookup]
-            return drafts, on_device if device_drafting else []
-        for index, proposer in ((with_prediction, self.prediction), (plain_spec, self.proposer)):
-            if index and proposer is not None:
-                self._run_host(proposer, rows, index, drafts)
-        return drafts, []
+            host = [
+                i for i in spec if rows[i].request.prediction_ids or (self.lookup is not None and rows[i].use_lookup)
+            ]
+            on_device = [i for i in spec if i not in host]
+        elif isinstance(self.proposer, NgramProposer):
+            host, on_device = spec, []
+        else:  # suffix decoding (its own drafts) or none: host drafts for predictions only
+            host = [i for i in spec if rows[i].request.prediction_ids]
+            others = [i for i in spec if not rows[i].request.prediction_ids]
+            if self.proposer is not None:
+                self._run_host(self.proposer, rows, others, drafts)
+            on_device = []
+        self._fill(drafts, rows, host, [rows[i].num_spec_tokens for i in host])
+        return drafts, on_device if device_drafting else []
 
     def _shadow_drafts(self, rows: list[ScheduledRow]) -> dict[int, list[int]]:
         """Unverified drafts the policy asked for, to learn rows' acceptance at no verify cost: a
         model-free proposer's (or, beside a device proposer, prompt lookup's)."""
         drafts: list[Draft | None] = [None] * len(rows)
         want = [i for i, row in enumerate(rows) if row.num_shadow_tokens and row.sample]
-        with_prediction = [i for i in want if rows[i].request.prediction_ids]
-        plain = [i for i in want if not rows[i].request.prediction_ids]
-        host = self.lookup if isinstance(self.proposer, DeviceProposer) else self.proposer
-        for index, proposer in ((with_prediction, self.prediction), (plain, host)):
-            if index and proposer is not None:
-                self._run_host(proposer, rows, index, drafts, [rows[i].num_shadow_tokens for i in index])
+        host = [i for i in want if self._host_proposer(rows[i].request) is not None]
+        self._fill(drafts, rows, host, [rows[i].num_shadow_tokens for i in host])
+        if self.proposer is not None and not isinstance(self.proposer, DeviceProposer):  # suffix decoding's own
+            own = [i for i in want if i not in host]
+            self._run_host(self.proposer, rows, own, drafts, [rows[i].num_shadow_tokens for i in own])
         return {i: d.token_ids for i, d in enumerate(drafts) if d is not None}
+
+    def _fill(self, drafts: list[Draft | None], rows: list[ScheduledRow], index: list[int], k: list[int]) -> None:
+        for i, draft in zip(index, self.host_drafts([rows[i].request for i in index], k)):
+            if draft is not None and draft.token_ids:
+                drafts[i] = draft
 
     @staticmethod
     def _run_host(
@@ -378,21 +422,21 @@ class ModelRunner:
         index: list[int],
         drafts: list[Draft | None],
         num_tokens: list[int] | None = None,
-    ) -> list[Draft | None]:
-        """Fill `drafts[i]` for the rows at `index` (num_tokens each, default the row's num_spec_tokens)."""
+    ) -> None:
+        """Fill `drafts[i]` for the rows at `index` from `proposer` (num_tokens each, default the
+        row's num_spec_tokens)."""
         if not index:
-            return drafts
+            return
         if num_tokens is None:
             num_tokens = [rows[i].num_spec_tokens for i in index]
         try:
             proposed = proposer.propose([rows[i].request for i in index], num_tokens)
         except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
             logger.exception("%s proposer failed; these rows decode plainly this step", proposer.method)
-            return drafts
+            return
         for i, draft in zip(index, proposed):
             if draft.token_ids:
                 drafts[i] = draft
-        return drafts
 
     def _plan_sampling(self, plan: StepPlan) -> None:
         buf, rows, n_max = plan.buf, plan.rows, plan.n_max

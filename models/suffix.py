@@ -10,10 +10,11 @@ product falls below `min_prob` or past `factor` x the match length (a short
 match is weak evidence). The tree whose draft scores higher (sum of the
 products, the paper's score) wins.
 
-Isolation: the global trees are keyed by `Request.tenant`, so one tenant's
-outputs never reach another's drafts, and the cache bound evicts from the
-tenant holding the most outputs, so one tenant's traffic cannot push another's
-outputs out while it holds more.
+Isolation: the global trees are keyed by `Request.cache_scope` (its tenant, or its
+tenant and `cache_salt`), so one tenant's outputs never reach another's drafts,
+and the cache bound evicts from the tenant holding the most outputs, all its
+scopes together, so one tenant's traffic cannot push another's outputs out
+while it holds more, however many salts it mints.
 """
 
 from __future__ import annotations
@@ -44,30 +45,34 @@ class SuffixConfig:
 
 
 class SuffixCache:
-    """Per-tenant trees over finished outputs, at most `max_requests` outputs in all.
+    """Trees over finished outputs, one per cache scope (a tenant, or a tenant and a salt), at
+    most `max_requests` outputs in all.
 
-    Over the bound, the oldest output of the tenant holding the most goes (ties:
-    the tenant whose oldest output is oldest).
+    Over the bound, the oldest output of the tenant holding the most goes (ties: the tenant
+    whose oldest output is oldest), whichever of its scopes holds it: a client that mints a
+    fresh salt for every request fills its own tenant's share, never another tenant's.
     """
 
     def __init__(self, max_depth: int, max_requests: int):
         self.max_depth = max_depth
         self.max_requests = max_requests
-        self.trees: dict[str, SuffixTree] = {}
-        self._outputs: dict[str, deque[tuple[int, int]]] = {}  # per tenant: (serial, sequence id), oldest first
+        self.trees: dict[str, SuffixTree] = {}  # by cache scope
+        # Per tenant, oldest first: (serial, scope, sequence id in that scope's tree).
+        self._outputs: dict[str, deque[tuple[int, str, int]]] = {}
+        self._per_scope: dict[str, int] = {}  # outputs each scope's tree holds
         self._serial = 0
 
-    def get(self, tenant: str) -> SuffixTree | None:
-        return self.trees.get(tenant)
+    def get(self, scope: str) -> SuffixTree | None:
+        return self.trees.get(scope)
 
-    def add(self, tenant: str, tokens: list[int]) -> None:
+    def add(self, tenant: str, scope: str, tokens: list[int]) -> None:
         if self.max_requests == 0 or not tokens:
             return
-        tree = self.trees.get(tenant)
+        tree = self.trees.get(scope)
         if tree is None:
-            tree = self.trees[tenant] = SuffixTree(self.max_depth)
-            self._outputs[tenant] = deque()
-        self._outputs[tenant].append((self._serial, tree.add(tokens)))
+            tree = self.trees[scope] = SuffixTree(self.max_depth)
+        self._outputs.setdefault(tenant, deque()).append((self._serial, scope, tree.add(tokens)))
+        self._per_scope[scope] = self._per_scope.get(scope, 0) + 1
         self._serial += 1
         while self.num_requests > self.max_requests:
             self._evict()
@@ -75,14 +80,21 @@ class SuffixCache:
     def _evict(self) -> None:
         tenant = max(self._outputs, key=lambda t: (len(self._outputs[t]), -self._outputs[t][0][0]))
         outputs = self._outputs[tenant]
-        _, seq_id = outputs.popleft()
-        self.trees[tenant].remove(seq_id)
+        _, scope, seq_id = outputs.popleft()
+        self.trees[scope].remove(seq_id)
+        self._per_scope[scope] -= 1
+        if not self._per_scope[scope]:
+            del self._per_scope[scope], self.trees[scope]
         if not outputs:
-            del self._outputs[tenant], self.trees[tenant]
+            del self._outputs[tenant]
 
     @property
     def num_requests(self) -> int:
         return sum(len(q) for q in self._outputs.values())
+
+    @property
+    def num_tenants(self) -> int:
+        return len(self._outputs)
 
     @property
     def num_nodes(self) -> int:
@@ -117,14 +129,14 @@ class SuffixProposer:
         preempted request's tree is rebuilt when it runs again, and its output joins when it ends)."""
         row = self._rows.pop(request_id, None)
         if row is not None and row.request.is_finished and row.request.finish_reason is not FinishReason.ERROR:
-            self.cache.add(row.request.tenant, list(row.request.output_ids))
+            self.cache.add(row.request.tenant, row.request.cache_scope, list(row.request.output_ids))
 
     @property
     def num_cache_nodes(self) -> int:
         return self.cache.num_nodes
 
     def summary(self) -> dict:
-        return {"cached_requests": self.cache.num_requests, "tenants": len(self.cache.trees)}
+        return {"cached_requests": self.cache.num_requests, "tenants": self.cache.num_tenants}
 
     def _row(self, request: Request) -> _Row:
         """The request's state, its tree extended with the tokens accepted since the last call."""
@@ -148,7 +160,7 @@ class SuffixProposer:
             if length == len(context) and k <= asked:  # the policy's preview of this very step
                 return Draft(draft.token_ids[:k], self.method, token_probs=(draft.token_probs or [])[:k])
         best: tuple[float, list[int], list[float]] = (0.0, [], [])
-        tenant_tree = self.cache.get(row.request.tenant)
+        tenant_tree = self.cache.get(row.request.cache_scope)
         trees = [row.tree] if tenant_tree is None else [row.tree, tenant_tree]
         before = sum(tree.work for tree in trees)
         depth = row.tree.depth
@@ -164,7 +176,7 @@ class SuffixProposer:
 
     def _global(self, row: _Row, context: list[int]) -> list[tuple[SuffixTree, list[Cursor]]]:
         """The tenant's tree and where the request's context suffixes sit in it (none without a tree)."""
-        tree = self.cache.get(row.request.tenant)
+        tree = self.cache.get(row.request.cache_scope)
         if tree is None:
             row.matcher = None
             return []

@@ -154,6 +154,10 @@ class Scheduler:
             raise InvalidRequestError(f"duplicate request id {request.request_id}", param="request_id")
         if len(self.waiting) >= self.config.max_queue:
             raise QueueFullError(f"the queue is full ({self.config.max_queue} waiting requests)")
+        params = request.params
+        request.stop_ids = frozenset(params.stop_token_ids).union(
+            () if params.ignore_eos else self.config.eos_token_ids
+        )
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -369,7 +373,7 @@ class Scheduler:
             return
         keys, size = request.block_keys, self.blocks.block_size
         for i in range(len(keys), num_blocks):
-            parent = keys[-1] if keys else self.blocks.root(request.tenant)
+            parent = keys[-1] if keys else self.blocks.root(request.cache_scope)
             keys.append(block_key(parent, request.token_slice(i * size, (i + 1) * size)))
 
     def _draft_cap(self, request: Request) -> int:
@@ -402,6 +406,7 @@ class Scheduler:
                 if out.probe_id is not None and out.token_ids:
                     self.policy.observe_probe(request, out.probe_id, out.token_ids[0], out.probe_accept)
             new_ids, stop_id = self._append(request, out.token_ids)
+            request.host_draft = out.next_host_draft
             if not request.is_finished:  # a finished request's blocks were offered on release
                 self._cache_blocks(request, row.start_pos)
             n = len(new_ids)
@@ -447,10 +452,7 @@ class Scheduler:
 
     def _append(self, request: Request, token_ids: list[int]) -> tuple[list[int], int | None]:
         """Append tokens up to a stop token or max_tokens; finish the request if one is hit."""
-        params = request.params
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops.update(self.config.eos_token_ids)
+        params, stops = request.params, request.stop_ids
         new_ids: list[int] = []
         for token_id in token_ids:
             if token_id in stops:

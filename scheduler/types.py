@@ -16,6 +16,7 @@ SpeculationMode = Literal["auto", True, False]
 
 MAX_SPEC_TOKENS = 16  # per-request `num_speculative_tokens` upper bound
 MAX_LOGIT_BIAS = 1024  # entries in one request's `logit_bias`
+MAX_STOP_TOKEN_IDS = 64  # entries in one request's `stop_token_ids`
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 MAX_TEMPERATURE = 2.0  # as OpenAI
 # Temperatures below this decode greedily (as vLLM): dividing float32 logits by
@@ -90,6 +91,8 @@ class SamplingParams:
                 raise bad(name, f"must be in [-2, 2], got {value}")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries")
         for token_id, bias in self.logit_bias.items():
@@ -119,6 +122,21 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+@dataclass(frozen=True)
+class HostDraft:
+    """A model-free draft (n-gram lookup, Predicted Outputs) made once for a request's tokens:
+    the runner makes it at the end of the step that produced them, off the event loop; the
+    policy reads its length and the next step verifies it, neither proposing again."""
+
+    method: str  # the proposer that made it
+    num_tokens: int  # prompt + output tokens it follows
+    max_tokens: int  # tokens asked for (it holds fewer where the continuation ends)
+    token_ids: list[int]
+
+    def fits(self, method: str, num_tokens: int, k: int) -> bool:
+        return self.method == method and self.num_tokens == num_tokens and k <= self.max_tokens
+
+
 @dataclass
 class Request:
     """One sequence. The scheduler owns the mutable state below the line."""
@@ -128,13 +146,20 @@ class Request:
     params: SamplingParams
     # Predicted Outputs: the client's expected completion, used as the draft.
     prediction_ids: list[int] | None = None
-    # Isolation key: requests share cached prefixes and cross-request drafts only
-    # with requests of the same tenant (the server's `cache_salt`, else `user`).
+    # Isolation: requests share cached prefixes and cross-request drafts only within one
+    # `cache_scope`: their tenant (named by the credential, `server.auth`), narrowed by a
+    # `cache_salt` when the request gives one.
     tenant: str = ""
+    cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     # -- scheduler state --
     status: RequestStatus = RequestStatus.WAITING
+    # The host draft for the tokens so far (`HostDraft`), None until a step makes one.
+    host_draft: HostDraft | None = None
+    # Token ids that end the request: its stop_token_ids and (unless ignore_eos) the model's
+    # end-of-sequence ids, as one set built when it is queued, not per step.
+    stop_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache. Rejected drafts are rolled back by
     # moving this back; the runner writes each step from here.
@@ -153,6 +178,11 @@ class Request:
     num_accepted_tokens: int = 0
     num_prediction_accepted: int = 0
     num_prediction_rejected: int = 0
+
+    @property
+    def cache_scope(self) -> str:
+        """What the request's shared caches are keyed by: its tenant, or (tenant, salt)."""
+        return self.tenant if self.cache_salt is None else f"{self.tenant}\x00{self.cache_salt}"
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -255,6 +285,8 @@ class RowOutput:
     # the step sampled, the chance the rejection sampler would have accepted it.
     probe_id: int | None = None
     probe_accept: float | None = None
+    # The host draft for the request's tokens after this step's (`Request.host_draft`).
+    next_host_draft: HostDraft | None = None
 
 
 @dataclass

@@ -26,9 +26,10 @@ from scheduler.engine import AsyncEngine, new_step_thread
 from scheduler.metrics import MetricsObserver
 from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
+from server.auth import Credentials
 from server.config import DEFAULT_KV_SEQUENCES, DEFAULT_MAX_MODEL_LEN, Settings
 from server.errors import install_error_handlers
-from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
+from server.middleware import AuthMiddleware, BodyLimitMiddleware, LoopbackHostMiddleware, RequestLogMiddleware
 from server.playground import playground_router
 from server.routes import router
 from server.serving import ServingContext
@@ -136,6 +137,7 @@ class AppState:
     settings: Settings
     metrics: MetricsObserver
     names: list[str]
+    credentials: Credentials = field(default_factory=Credentials)
     on_fatal: Callable[[], None] | None = None
     serving: ServingContext | None = None
     engine: AsyncEngine | None = None
@@ -177,7 +179,11 @@ class AppState:
             system_fingerprint="fp_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:10],
             enable_fault_injection=settings.enable_fault_injection,
             shutdown_timeout=settings.shutdown_timeout,
-            traffic=TrafficLog(settings.record_traffic, loaded.model_id) if settings.record_traffic else None,
+            traffic=TrafficLog(settings.record_traffic, loaded.model_id, settings.record_traffic_max_bytes)
+            if settings.record_traffic
+            else None,
+            max_request_spec_tokens=settings.max_request_speculative_tokens,
+            forced_speculation=settings.forced_speculation,
         )
         logger.info(
             "ready: serving %s as %s (max_model_len=%d, max_num_seqs=%d)",
@@ -208,8 +214,9 @@ class AppState:
 def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -> FastAPI:
     """`on_fatal` is called if the model cannot be loaded or the engine loop dies (the CLI then exits 1)."""
     names = served_names(settings)
+    credentials = Credentials.load(settings.api_key_value, settings.api_keys)  # CredentialsError: a bad file
     metrics = MetricsObserver(names[0], num_speculative_tokens=settings.resolved_num_speculative_tokens)
-    state = AppState(settings=settings, metrics=metrics, names=names, on_fatal=on_fatal)
+    state = AppState(settings=settings, metrics=metrics, names=names, credentials=credentials, on_fatal=on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -223,16 +230,20 @@ def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -
             await asyncio.gather(loading, return_exceptions=True)
             await state.stop_engine()
 
-    app = FastAPI(title="specd", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No /docs, /redoc or /openapi.json: the API is OpenAI's, documented in docs/, and a
+    # published schema only maps the server for whoever reaches it.
+    app = FastAPI(title="specd", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.specd = state
     install_error_handlers(app)
     app.include_router(router)
     if settings.playground:
         app.include_router(playground_router())
-    # Added innermost first: CORS sees requests first (preflights need no key).
+    # Added innermost first: CORS sees requests first (preflights need no key), then the Host check.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    if settings.api_key_value:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key_value, protect_metrics=settings.metrics_auth)
+    if state.credentials.required:
+        app.add_middleware(
+            AuthMiddleware, credentials=state.credentials, protect_metrics=settings.resolved_metrics_auth
+        )
     app.add_middleware(RequestLogMiddleware)
     if settings.allowed_origins:
         app.add_middleware(
@@ -241,4 +252,6 @@ def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
         )
+    if not state.credentials.required and settings.binds_loopback:
+        app.add_middleware(LoopbackHostMiddleware, extra_hosts=tuple(h.lower() for h in settings.trusted_hosts))
     return app

@@ -127,7 +127,12 @@ class Choice:
         self.last = out
         if out.finished and out.finish_reason is FinishReason.ERROR:
             self.finish_reason = "error"
-            raise EngineError(f"the engine failed this request: {out.error or 'unknown error'}", code="engine_error")
+            # Why it failed (an exception's text) is for the server's log, not for the client.
+            logger.error("request %s failed in the engine: %s", out.request_id, out.error or "unknown error")
+            raise EngineError(
+                f"the engine failed this request ({out.request_id}); the server log has the details",
+                code="engine_error",
+            )
         if self._tally is not None:
             self._tally.add(out)
         piece, token_ends = "", []

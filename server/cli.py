@@ -250,17 +250,27 @@ def serve(args: argparse.Namespace) -> int:
     settings = _settings(args, Settings.model_fields)
     if settings is None:
         return 2
+    try:
+        settings.check_exposure()
+    except ValueError as exc:
+        print(f"specd: error: {exc}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_level)
     import uvicorn
 
     from server.app import create_app
+    from server.auth import CredentialsError
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             app.state.specd.draining = True  # new requests get 503 while running ones finish
             super().handle_exit(sig, frame)
 
-    app = create_app(settings, on_fatal=lambda: setattr(server, "should_exit", True))
+    try:
+        app = create_app(settings, on_fatal=lambda: setattr(server, "should_exit", True))
+    except CredentialsError as exc:
+        print(f"specd: error: {exc}", file=sys.stderr)
+        return 2
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -8,6 +8,7 @@ the same names, with `-` or `_`. List fields take comma-separated values.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from contextvars import ContextVar
 from pathlib import Path
@@ -42,9 +43,31 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address to bind. Use 0.0.0.0 to listen on every interface.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on.")
     api_key: SecretStr | None = Field(
-        None, description="Require 'Authorization: Bearer KEY' on /v1/* (and /metrics with --metrics-auth)."
+        None,
+        description="Require 'Authorization: Bearer KEY' on /v1/* (and on /metrics, see --metrics-auth); the key's "
+        "requests form one tenant, 'default'.",
     )
-    metrics_auth: bool = Field(False, description="Also require the API key on GET /metrics.")
+    api_keys: Path | None = Field(
+        None,
+        description="File of API keys, one 'TENANT KEY' pair per line ('#' comments): each key opens /v1/* for its "
+        "tenant, and requests share cached prefixes and cross-request drafts only within their tenant (cache_salt "
+        "narrows that further; 'user' isolates nothing). With no key at all, every client is one tenant.",
+    )
+    metrics_auth: bool | None = Field(
+        None,
+        description="Require an API key on GET /metrics too (default: yes whenever keys are configured; "
+        "--no-metrics-auth leaves it open for a scraper that holds no key).",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve without any API key on a non-loopback --host (refused otherwise: anyone who can reach "
+        "the port could use the server and read what its single tenant cached).",
+    )
+    trusted_hosts: CommaList = Field(
+        default_factory=list,
+        description="Without an API key, a loopback server answers only requests whose Host is localhost, "
+        "127.0.0.1 or [::1] (DNS-rebinding protection); these names are answered too, comma-separated.",
+    )
     allowed_origins: CommaList = Field(
         default_factory=list, description="CORS origins allowed to call the API, comma-separated ('*' for any)."
     )
@@ -60,6 +83,11 @@ class Settings(BaseSettings):
         description="Append one JSON line per finished completion request to this file: the prompt (chat "
         "messages or text) and the output text, with model id and time. It holds USER DATA: protect and delete "
         "it as such. `specd train-draft --prompts FILE` trains a draft head on it. Off by default.",
+    )
+    record_traffic_max_bytes: ByteSize = Field(
+        ByteSize(256 << 20),
+        description="--record-traffic: past this size the file becomes FILE.1 (replacing the one before) and a "
+        "new one starts (256MiB, 1GB, ...).",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Logging verbosity."
@@ -136,8 +164,8 @@ class Settings(BaseSettings):
     )
     suffix_global: Literal["on", "off"] = Field(
         "on",
-        description="--draft suffix: also draft from earlier outputs of the same tenant (the request's cache_salt, "
-        "else its user; one tenant's outputs never reach another's drafts); off: each request's own tokens only.",
+        description="--draft suffix: also draft from earlier outputs of the same tenant (the API key's, narrowed "
+        "by cache_salt; one tenant's outputs never reach another's drafts); off: each request's own tokens only.",
     )
     draft_lookup: Literal["on", "off"] = Field(
         "on",
@@ -146,6 +174,18 @@ class Settings(BaseSettings):
         "shadow drafts), so quoting and copying draft long at no draft-forward cost; off: the model or head only.",
     )
     spec_adaptive: bool = Field(True, description="Adapt each request's draft length to its own acceptance history.")
+    max_request_speculative_tokens: int = Field(
+        MAX_SPEC_TOKENS,
+        ge=0,
+        le=MAX_SPEC_TOKENS,
+        description="Most draft tokens a request may ask for with num_speculative_tokens (more is a 400): a "
+        "speculation=true request verifies that many tokens every step whatever the batch.",
+    )
+    forced_speculation: bool = Field(
+        True,
+        description="Honour speculation=true (draft every step, whatever the batch); --no-forced-speculation "
+        "treats it as auto, so the cost model decides for every request.",
+    )
 
     # -- scheduling --
     max_num_seqs: int = Field(
@@ -199,7 +239,7 @@ class Settings(BaseSettings):
                 return float(_BYTES.validate_python(value))
         return value
 
-    @field_validator("allowed_origins", "served_model_name", mode="before")
+    @field_validator("allowed_origins", "served_model_name", "trusted_hosts", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -220,7 +260,17 @@ class Settings(BaseSettings):
                 )
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs")
+        if self.metrics_auth and not self.has_keys:
+            raise ValueError("--metrics-auth needs an API key (--api-key or --api-keys)")
         return self
+
+    def check_exposure(self) -> None:
+        """Refuse to serve keyless on an address others can reach, unless told to."""
+        if not self.has_keys and not self.binds_loopback and not self.allow_unauthenticated:
+            raise ValueError(
+                f"--host {self.host} is reachable from other machines and no API key is set: set --api-key or "
+                "--api-keys, or pass --allow-unauthenticated if every client that can reach it may use it"
+            )
 
     # -- resolved values: `resolved_<field>` is <field> with its default filled in --
     @property
@@ -249,6 +299,18 @@ class Settings(BaseSettings):
     @property
     def api_key_value(self) -> str | None:
         return self.api_key.get_secret_value() if self.api_key else None
+
+    @property
+    def has_keys(self) -> bool:
+        return bool(self.api_key_value or self.api_keys)
+
+    @property
+    def resolved_metrics_auth(self) -> bool:
+        return self.has_keys if self.metrics_auth is None else self.metrics_auth and self.has_keys
+
+    @property
+    def binds_loopback(self) -> bool:
+        return is_loopback(self.host)
 
     @classmethod
     def settings_customise_sources(
@@ -292,6 +354,14 @@ def load_settings(overrides: dict[str, Any] | None = None, config_file: str | Pa
         return Settings(**(overrides or {}))
     finally:
         _file_values.reset(token)
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def is_hidden(field: FieldInfo) -> bool:

@@ -93,8 +93,10 @@ def to_api_error(exc: Exception) -> APIError:
         return BadRequestError(exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, QueueFullError):
         return ServiceUnavailableError(f"{exc}; retry later", code="queue_full")
-    if isinstance(exc, EngineDeadError):
-        return ServiceUnavailableError(f"{exc}; the server must be restarted", code="engine_dead")
+    if isinstance(exc, EngineDeadError):  # its reason is in the log: no internals in a public reply
+        return ServiceUnavailableError(
+            "the engine stopped after an internal error; the server must be restarted", code="engine_dead"
+        )
     return EngineError("internal server error", code="internal_error")
 
 

@@ -1,13 +1,14 @@
-"""Pure ASGI middleware: body size limit, API key, one log line per generation request."""
+"""Pure ASGI middleware: body size limit, API keys and tenants, loopback Host names, one log line per
+generation request."""
 
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.auth import DEFAULT_TENANT, Credentials
 from server.errors import error_response
 from server.record import RECORD_SCOPE_KEY, RequestRecord
 
@@ -69,12 +70,21 @@ class BodyLimitMiddleware:
         await response(scope, receive, send)
 
 
-class ApiKeyMiddleware:
-    """`Authorization: Bearer KEY` on /v1/* (and /metrics when asked)."""
+TENANT_SCOPE_KEY = "specd.tenant"
 
-    def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool):
+
+def request_tenant(scope: Scope) -> str:
+    """The tenant `AuthMiddleware` found for this request (the one tenant with no keys configured)."""
+    return scope.get(TENANT_SCOPE_KEY, DEFAULT_TENANT)
+
+
+class AuthMiddleware:
+    """`Authorization: Bearer KEY` on /v1/* (and /metrics when asked); the key's tenant goes
+    into the scope (`request_tenant`) for the endpoints to key the request's caches by."""
+
+    def __init__(self, app: ASGIApp, credentials: Credentials, protect_metrics: bool):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.credentials = credentials
         self.protect_metrics = protect_metrics
 
     def _protected(self, path: str) -> bool:
@@ -84,8 +94,9 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or not self._protected(scope["path"]):
             await self.app(scope, receive, send)
             return
-        given = (_header(scope, b"authorization") or "").encode()
-        if not secrets.compare_digest(given, self.expected):
+        given = (_header(scope, b"authorization") or "").encode("latin-1")
+        tenant = self.credentials.tenant_for(given)
+        if tenant is None:
             message = "missing API key" if not given else "invalid API key"
             response = error_response(
                 401,
@@ -96,7 +107,45 @@ class ApiKeyMiddleware:
             )
             await response(scope, receive, send)
             return
+        scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+class LoopbackHostMiddleware:
+    """With no API key, a server on loopback answers only requests addressed to a loopback name.
+
+    Otherwise any web page its user opens could rebind its own host name to 127.0.0.1 and
+    use the API from the browser (DNS rebinding): the browser would send that page's host
+    name in `Host`. A 421 names the problem; nothing else is served.
+    """
+
+    def __init__(self, app: ASGIApp, extra_hosts: tuple[str, ...] = ()):
+        self.app = app
+        self.allowed = {*LOOPBACK_NAMES, *extra_hosts}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _host_name(_header(scope, b"host") or "") in self.allowed:
+            await self.app(scope, receive, send)
+            return
+        response = error_response(
+            421,
+            "this server answers only requests to a loopback address (localhost, 127.0.0.1, [::1]); "
+            "serve with an API key to be reached under other names",
+            "invalid_request_error",
+            code="misdirected_request",
+        )
+        await response(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    """`Host` without its port: "localhost:8000" -> "localhost", "[::1]:8000" -> "[::1]"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 class RequestLogMiddleware:

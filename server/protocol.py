@@ -8,7 +8,8 @@ types and the limits that protect the server.
 Limits beyond OpenAI's: `stop` holds at most `MAX_STOP_STRINGS` strings of at
 most `MAX_STOP_STRING_CHARS` characters each (OpenAI allows 4); `n` is at most
 `MAX_N`, and a completion request asks for at most `MAX_CHOICES` sequences
-(prompts x n).
+(prompts x n); every list and name has a bound below (`MAX_*`), so no field can
+make the server do more than the body limit's worth of work before it is refused.
 """
 
 from __future__ import annotations
@@ -16,16 +17,21 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from scheduler.types import MAX_SPEC_TOKENS, MAX_TOP_LOGPROBS
+from scheduler.types import MAX_SPEC_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 
 MAX_N = 16
 MAX_CHOICES = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_MESSAGES = 1024
+MAX_CONTENT_PARTS = 256  # text parts of one message (a str content is bounded by the body)
+MAX_TOOLS = 128
+MAX_TEMPLATE_KWARGS = 32
+MAX_ID_CHARS = 256  # model, user, name, cache_salt
 
 
 class InvalidTextError(ValueError):
@@ -85,7 +91,7 @@ class StreamOptions(OpenAIRequest):
 class SamplingFields(OpenAIRequest):
     """Fields shared by completions and chat completions."""
 
-    model: str
+    model: str = Field(max_length=MAX_ID_CHARS)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -96,25 +102,19 @@ class SamplingFields(OpenAIRequest):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_ID_CHARS)  # logged at most; it isolates nothing
     # -- extensions (`extra_body` in the OpenAI SDKs) --
-    # The tenant whose caches this request may share (vLLM's field); see `tenant`.
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # Narrows the caches this request shares within its tenant (vLLM's field; `server.auth`).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     speculation: Literal["auto"] | StrictBool = "auto"
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPEC_TOKENS)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-
-    @property
-    def tenant(self) -> str:
-        """Requests share caches (prefix KV, cross-request drafts) only within one tenant:
-        `cache_salt` when given, else `user`, else the deployment's common tenant ""."""
-        return self.cache_salt or self.user or ""
 
     @model_validator(mode="before")
     @classmethod
@@ -142,32 +142,36 @@ class ContentPart(OpenAIRequest):
     text: str | None = None
 
 
+ContentParts = Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)]
+
+
 class ChatMessage(OpenAIRequest):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: str | ContentParts | None = None
+    name: str | None = Field(None, max_length=MAX_ID_CHARS)
 
 
 class Prediction(OpenAIRequest):
-    """OpenAI Predicted Outputs: the expected completion, used as the draft."""
+    """OpenAI Predicted Outputs: the expected completion, used as the draft (at most the served
+    context length in tokens: `serving_chat`)."""
 
     type: Literal["content"]
-    content: str | list[ContentPart]
+    content: str | ContentParts
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     prediction: Prediction | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = Field(None, max_length=MAX_TOOLS)  # refused, but parsed first
     # -- extensions --
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -358,7 +362,7 @@ class SpeculationInfo(OpenAIResponse):
     """GET /v1/speculation: the live speculation configuration and acceptance."""
 
     proposer: str
-    draft_head: dict | None = None  # --draft eagle: {path, draft_vocab_size, feature_layers, training}
+    draft_head: dict | None = None  # --draft eagle: {name, draft_vocab_size, feature_layers, training}
     num_speculative_tokens: int
     spec_disable_batch_size: int | None  # the operator's cap; None: none
     adaptive: bool

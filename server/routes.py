@@ -35,9 +35,8 @@ def _serving(request: Request) -> ServingContext:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     """Liveness: 200 while the process serves HTTP, loaded or not; 503 once the engine loop has died."""
-    error = _state(request).engine_error
-    if error is not None:
-        return JSONResponse({"status": "engine_dead", "error": error}, status_code=503)
+    if _state(request).engine_error is not None:  # why: in the server's log, not in a public reply
+        return JSONResponse({"status": "engine_dead"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
@@ -46,7 +45,7 @@ async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 once the engine runs, 503 while loading or draining."""
     state = _state(request)
     if state.engine_error is not None:
-        return JSONResponse({"status": "engine_dead", "error": state.engine_error}, status_code=503)
+        return JSONResponse({"status": "engine_dead"}, status_code=503)
     if state.serving is None or state.draining:
         reason = "draining" if state.draining else ("failed" if state.load_error else "loading")
         return JSONResponse({"status": reason}, status_code=503, headers={"Retry-After": "1"})

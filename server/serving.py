@@ -10,20 +10,23 @@ has gone.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request as HTTPRequest
 
 from scheduler.engine import AsyncEngine, RequestStream
-from scheduler.types import MAX_LOGIT_BIAS, Request, SamplingParams
+from scheduler.types import MAX_LOGIT_BIAS, MAX_SPEC_TOKENS, Request, SamplingParams
 from server.detokenizer import TokenTexts
 from server.errors import APIError, BadRequestError, NotFoundError
 from server.protocol import SamplingFields
 from server.traffic import TrafficLog
 
 SEED_MASK = 2**63 - 1
+T = TypeVar("T")
 
 
 @dataclass
@@ -40,10 +43,35 @@ class ServingContext:
     enable_fault_injection: bool
     shutdown_timeout: float = 30.0
     traffic: TrafficLog | None = None  # --record-traffic
+    max_request_spec_tokens: int = MAX_SPEC_TOKENS  # --max-request-speculative-tokens
+    forced_speculation: bool = True  # --forced-speculation: honour speculation=true
     token_texts: TokenTexts = field(init=False)
+    # The longest text one token stands for: a prompt longer than max_model_len times this many
+    # characters cannot fit, and is refused before anything tokenizes it.
+    max_token_chars: int = field(init=False)
+    # Chat templates and tokenizing run here, not on the event loop: one thread, since a fast
+    # tokenizer shared across threads can refuse a concurrent call ("Already borrowed").
+    prep: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_texts = TokenTexts(self.tokenizer)
+        self.max_token_chars = max_token_chars(self.tokenizer)
+        self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-prep")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the preparation thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep, fn, *args)
+
+    def check_text_size(self, num_chars: int, param: str) -> None:
+        """400 for text that cannot fit the context, judged by its length alone."""
+        limit = self.max_model_len * self.max_token_chars
+        if num_chars > limit:
+            raise BadRequestError(
+                f"'{param}' holds {num_chars} characters: more than {self.max_model_len} tokens of this model "
+                f"(at most {self.max_token_chars} characters each) can hold",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def check_model(self, name: str) -> None:
         """The `model` field must name a served model; it is never loaded on demand."""
@@ -53,6 +81,15 @@ class ServingContext:
                 param="model",
                 code="model_not_found",
             )
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` decodes to (its vocabulary's longest entry,
+    which byte-level entries only overstate)."""
+    try:
+        return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary view: no early refusal
+        return 1 << 20
 
 
 # -- sampling parameters -----------------------------------------------------------
@@ -69,6 +106,14 @@ def sampling_params(
     """One choice's `SamplingParams`; choice i of a seeded request uses seed + i."""
     seed = None if req.seed is None else (req.seed + choice) & SEED_MASK
     fault = (req.model_extra or {}).get("fault") if ctx.enable_fault_injection else None
+    k = req.num_speculative_tokens
+    if k is not None and k > ctx.max_request_spec_tokens:
+        raise BadRequestError(
+            f"'num_speculative_tokens' is at most {ctx.max_request_spec_tokens} on this server, got {k}",
+            param="num_speculative_tokens",
+        )
+    stop_token_ids = list(req.stop_token_ids or [])
+    check_token_ids(stop_token_ids, ctx.vocab_size, "stop_token_ids")
 
     def given(value, default):
         return default if value is None else value
@@ -84,11 +129,11 @@ def sampling_params(
         repetition_penalty=given(req.repetition_penalty, 1.0),
         logit_bias=parse_logit_bias(req.logit_bias, ctx.vocab_size),
         seed=seed,
-        stop_token_ids=list(req.stop_token_ids or []),
+        stop_token_ids=stop_token_ids,
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
-        speculation=req.speculation,
-        num_speculative_tokens=req.num_speculative_tokens,
+        speculation=req.speculation if req.speculation is not True or ctx.forced_speculation else "auto",
+        num_speculative_tokens=k,
         fault=fault if isinstance(fault, str) else None,
     )
 
@@ -131,18 +176,34 @@ def submit_all(
     params: list[SamplingParams],
     prediction_ids: list[int] | None = None,
     tenant: str = "",
+    cache_salt: str | None = None,
 ) -> list[RequestStream]:
     """Queue one engine request per choice; all or none (a refusal aborts the ones queued)."""
     streams: list[RequestStream] = []
     try:
         for i, (prompt_ids, p) in enumerate(zip(prompts, params)):
-            request = Request(f"{request_id}-{i}", prompt_ids, p, prediction_ids=prediction_ids, tenant=tenant)
+            request = Request(
+                f"{request_id}-{i}", prompt_ids, p, prediction_ids=prediction_ids, tenant=tenant, cache_salt=cache_salt
+            )
             streams.append(ctx.engine.submit(request))
     except Exception:
         for stream in streams:
             stream.abort()
         raise
     return streams
+
+
+@contextmanager
+def aborted_on_error(streams: list[RequestStream]) -> Iterator[None]:
+    """Between queueing a request's choices and handing them to a response (which aborts them
+    however it ends), any failure aborts them: nothing would read them, and they would run on
+    to max_tokens."""
+    try:
+        yield
+    except BaseException:
+        for stream in streams:
+            stream.abort()
+        raise
 
 
 # -- disconnects -------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
+from jinja2 import TemplateError
 
 from scheduler.types import InvalidRequestError
 from server.choices import (
@@ -19,6 +22,7 @@ from server.choices import (
     stream_flags,
 )
 from server.errors import BadRequestError
+from server.middleware import request_tenant
 from server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -37,11 +41,14 @@ from server.protocol import (
 from server.record import request_record
 from server.serving import (
     ServingContext,
+    aborted_on_error,
     check_stream_options,
     sampling_params,
     submit_all,
     until_disconnected,
 )
+
+logger = logging.getLogger("specd.server")
 
 ENDPOINT = "/v1/chat/completions"
 # Used when a tokenizer has no chat template of its own.
@@ -78,11 +85,25 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     ]
 
 
+# apply_chat_template's own arguments: what chat_template_kwargs may not override.
+RENDER_ARGUMENTS = frozenset(
+    {"conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+     "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
 def render_prompt(ctx: ServingContext, req: ChatCompletionRequest, messages: list[dict[str, str]]) -> list[int]:
     if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
         raise BadRequestError(
             "'continue_final_message' needs 'add_generation_prompt': false and a final assistant message",
             param="continue_final_message",
+        )
+    clash = RENDER_ARGUMENTS.intersection(req.chat_template_kwargs or {})
+    if clash:
+        raise BadRequestError(
+            f"'chat_template_kwargs' may not set {', '.join(sorted(clash))} (the server sets them)",
+            param="chat_template_kwargs",
         )
     tokenizer = ctx.tokenizer
     try:
@@ -94,9 +115,31 @@ def render_prompt(ctx: ServingContext, req: ChatCompletionRequest, messages: lis
             chat_template=None if tokenizer.chat_template else CHATML_TEMPLATE,
             **(req.chat_template_kwargs or {}),
         )
-    except Exception as exc:  # noqa: BLE001 - a template that rejects these messages (jinja raise_exception)
+    except TemplateError as exc:  # a template that rejects these messages (jinja's raise_exception): its words
         raise BadRequestError(f"the chat template rejected the messages: {exc}", param="messages") from None
+    except Exception as exc:  # noqa: BLE001 - anything else the template does wrong: no internals in the reply
+        # A client can cause this at will: one line, no traceback to flood the log with.
+        logger.warning("the chat template failed: %r", exc)
+        raise BadRequestError("the chat template could not render these messages", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def prepare(
+    ctx: ServingContext, req: ChatCompletionRequest, messages: list[dict[str, str]], predicted: str | None
+) -> tuple[list[int], list[int] | None]:
+    """The prompt's and the prediction's token ids (run on the preparation thread)."""
+    prompt_ids = render_prompt(ctx, req, messages)
+    if predicted is None:
+        return prompt_ids, None
+    prediction_ids = ctx.tokenizer.encode(predicted, add_special_tokens=False) or None
+    if prediction_ids is not None and len(prediction_ids) > ctx.max_model_len:
+        raise BadRequestError(
+            f"'prediction' has {len(prediction_ids)} tokens; at most {ctx.max_model_len} (the context length) "
+            "can ever be used",
+            param="prediction.content",
+            code="prediction_too_long",
+        )
+    return prompt_ids, prediction_ids
 
 
 def check_unsupported(req: ChatCompletionRequest) -> None:
@@ -125,11 +168,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     check_stream_options(req)
     check_unsupported(req)
     messages = chat_messages(req)
-    prompt_ids = render_prompt(ctx, req, messages)
-    prediction_ids = None
-    if req.prediction is not None:
-        predicted = content_text(req.prediction.content, "prediction.content")
-        prediction_ids = ctx.tokenizer.encode(predicted, add_special_tokens=False) or None
+    ctx.check_text_size(sum(len(m["content"]) for m in messages), "messages")
+    predicted = content_text(req.prediction.content, "prediction.content") if req.prediction is not None else None
+    if predicted is not None:
+        ctx.check_text_size(len(predicted), "prediction.content")
+    prompt_ids, prediction_ids = await ctx.off_loop(prepare, ctx, req, messages, predicted)
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = requested or max(1, ctx.max_model_len - len(prompt_ids))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -138,17 +181,21 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     record = request_record(raw)
     head = ResponseHead.new("chatcmpl", req.model, ctx.system_fingerprint)
     record.request_id, record.stream, record.n, record.prompt_tokens = head.id, req.stream, req.n, len(prompt_ids)
+    tenant = request_tenant(raw.scope)
     try:
-        streams = submit_all(ctx, head.id, [prompt_ids] * req.n, params, prediction_ids, req.tenant)
+        streams = submit_all(
+            ctx, head.id, [prompt_ids] * req.n, params, prediction_ids, tenant=tenant, cache_salt=req.cache_salt
+        )
     except InvalidRequestError as exc:
         if exc.param == "prompt":  # the engine sees a prompt; a chat request's prompt is its messages
             exc.param = "messages"
         raise
-    choices = [Choice(i, stream, ctx.tokenizer, req, prompt_ids) for i, stream in enumerate(streams)]
-    on_finish = ctx.traffic.recorder(ENDPOINT, head.id, {"messages": messages}) if ctx.traffic else None
-    gen = Generation(head, req, choices, record, len(prompt_ids), on_finish=on_finish)
-    if req.stream:
-        return _stream(ctx, gen)
+    with aborted_on_error(streams):
+        choices = [Choice(i, stream, ctx.tokenizer, req, prompt_ids) for i, stream in enumerate(streams)]
+        on_finish = ctx.traffic.recorder(ENDPOINT, head.id, tenant, {"messages": messages}) if ctx.traffic else None
+        gen = Generation(head, req, choices, record, len(prompt_ids), on_finish=on_finish)
+        if req.stream:
+            return _stream(ctx, gen)
     return await until_disconnected(raw, _complete(ctx, gen))
 
 

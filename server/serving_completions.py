@@ -20,6 +20,7 @@ from server.choices import (
     stream_flags,
 )
 from server.errors import BadRequestError
+from server.middleware import request_tenant
 from server.protocol import (
     MAX_CHOICES,
     CompletionChoice,
@@ -33,6 +34,7 @@ from server.protocol import (
 from server.record import request_record
 from server.serving import (
     ServingContext,
+    aborted_on_error,
     check_stream_options,
     check_token_ids,
     sampling_params,
@@ -95,7 +97,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: HT
     ctx.check_model(req.model)
     check_stream_options(req)
     check_unsupported(req)
-    prompt_ids, prompt_texts = tokenize_prompts(ctx, req)
+    prompts_given = [req.prompt] if isinstance(req.prompt, str) or not req.prompt else req.prompt
+    if not isinstance(prompts_given[0], int) and len(prompts_given) * req.n > MAX_CHOICES:
+        raise BadRequestError(f"at most {MAX_CHOICES} sequences (prompts x n) per request", param="n")
+    for item in prompts_given:
+        if isinstance(item, str):
+            ctx.check_text_size(len(item), "prompt")
+    prompt_ids, prompt_texts = await ctx.off_loop(tokenize_prompts, ctx, req)
     if len(prompt_ids) * req.n > MAX_CHOICES:
         raise BadRequestError(f"at most {MAX_CHOICES} sequences (prompts x n) per request", param="n")
 
@@ -116,15 +124,18 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: HT
         len(prompts),
         num_prompt_tokens,
     )
-    streams = submit_all(ctx, head.id, prompts, params, tenant=req.tenant)
-    choices = [Choice(i, stream, ctx.tokenizer, req, ids) for i, (stream, ids) in enumerate(zip(streams, prompts))]
-    on_finish = None
-    if ctx.traffic:
-        texts = [t or ctx.tokenizer.decode(ids) for t, ids in zip(prompt_texts, prompt_ids)]  # ids: as text
-        on_finish = ctx.traffic.recorder(ENDPOINT, head.id, {"prompt": texts[0] if len(texts) == 1 else texts})
-    gen = CompletionGeneration(head, req, choices, record, num_prompt_tokens, echoes, on_finish=on_finish)
-    if req.stream:
-        return _stream(ctx, gen)
+    tenant = request_tenant(raw.scope)
+    streams = submit_all(ctx, head.id, prompts, params, tenant=tenant, cache_salt=req.cache_salt)
+    with aborted_on_error(streams):
+        choices = [Choice(i, s, ctx.tokenizer, req, ids) for i, (s, ids) in enumerate(zip(streams, prompts))]
+        on_finish = None
+        if ctx.traffic:
+            texts = [t or ctx.tokenizer.decode(ids) for t, ids in zip(prompt_texts, prompt_ids)]  # ids: as text
+            prompt = {"prompt": texts[0] if len(texts) == 1 else texts}
+            on_finish = ctx.traffic.recorder(ENDPOINT, head.id, tenant, prompt)
+        gen = CompletionGeneration(head, req, choices, record, num_prompt_tokens, echoes, on_finish=on_finish)
+        if req.stream:
+            return _stream(ctx, gen)
     return await until_disconnected(raw, _complete(ctx, gen))
 
 

@@ -65,6 +65,9 @@ def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers", "smollm2: loads the real SmolLM2-135M (slower); `make test-fast` leaves these out"
     )
+    config.addinivalue_line(
+        "markers", "slow: asserts on timings (latency ratios, deadlines); `make test` runs these in their own step"
+    )
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models.proposers import NgramIndex, NgramProposer, PredictionProposer, find_ngram_continuation
+from models.proposers import NgramIndex, NgramProposer, PredictionIndex, PredictionProposer, find_ngram_continuation
 from scheduler.types import Request, SamplingParams
 
 
@@ -29,12 +29,50 @@ def test_ngram_proposer_respects_k_and_min_n():
 def test_prediction_follows_then_resynchronises():
     request = Request("p", [1], SamplingParams(max_tokens=20))
     request.prediction_ids = [20, 21, 22, 23, 24, 25, 26, 27]
-    proposer = PredictionProposer(min_n=2, max_n=4)
+    proposer = PredictionProposer(max_n=4)
     assert proposer.propose([request], [3])[0].token_ids == [20, 21, 22]
     request.output_ids = [20, 21]
     assert proposer.propose([request], [3])[0].token_ids == [22, 23, 24]
     request.output_ids = [20, 21, 99, 23, 24]  # an edit, then back on the prediction
     assert proposer.propose([request], [2])[0].token_ids == [25, 26]
+
+
+def test_prediction_index_matches_a_full_rescan():
+    """Re-synchronising through the bigram index proposes what rescanning the prediction for the
+    longest tail (2..max_n), latest occurrence, proposes."""
+    import random
+
+    rng = random.Random(1)
+    for _trial in range(200):
+        prediction = [rng.randrange(5) for _ in range(rng.randrange(3, 40))]  # < MAX_CANDIDATES places
+        tokens = [rng.randrange(5) for _ in range(rng.randrange(2, 12))]
+        k = rng.randrange(1, 6)
+        expected = find_ngram_continuation(tokens, prediction, k, 2, 8, exclude_tail=False, earliest=False)
+        assert PredictionIndex(prediction, max_n=8).continuation(tokens, k) == expected
+
+
+def test_a_hostile_prediction_costs_bounded_work_a_step(monkeypatch):
+    """One repeated token, 100k times, never followed: each step compares at most
+    MAX_CANDIDATES x max_n tokens, not the prediction's length."""
+    compared = 0
+
+    class Counting(list):
+        def __getitem__(self, key):
+            nonlocal compared
+            compared += 1
+            return super().__getitem__(key)
+
+    request = Request("h", [1], SamplingParams(max_tokens=50))
+    request.prediction_ids = Counting([7] * 100_000)
+    proposer = PredictionProposer(max_n=8)
+    request.output_ids = [8]
+    proposer.propose([request], [4])  # diverged: the index is built once here
+    for step in range(20):
+        request.output_ids = [8] + [7] * (step + 2)
+        compared = 0
+        (draft,) = proposer.propose([request], [4])
+        assert draft.token_ids == [7]  # the latest place the tail occurs: the end
+        assert compared <= PredictionIndex.MAX_CANDIDATES * 8 + 16
 
 
 def test_ngram_index_matches_a_full_rescan_at_every_step():

@@ -57,6 +57,7 @@ def step(runner: ModelRunner, requests: list[Request], k: list[int]) -> list:
         assert row_out.error is None
         row.request.num_computed_tokens = row.start_pos + len(row.token_ids) + row_out.num_accepted_tokens
         row.request.output_ids += row_out.token_ids
+        row.request.host_draft = row_out.next_host_draft
     return out.rows
 
 
@@ -231,11 +232,35 @@ def test_the_policy_is_told_each_rows_host_draft_before_the_step(tiny_llama_dir)
     copying.output_ids[-1] = 9  # "... 7 8 9": the n-gram continues with 10 11 12 13 7 8 9
     fresh.output_ids[-1] = 24
     predicted.prediction_ids = predicted.output_ids + [40, 41]
+    # Tokens never change once made; this test rewrites them, so drop what was drafted from the old ones.
+    runner.free(["copy", "fresh", "pred"])
+    for request in (copying, fresh, predicted):
+        request.host_draft = None
     requests = [copying, fresh, predicted]
     assert runner.host_draft_lengths(requests, [4, 4, 4]) == [4, 0, 2]
     assert runner.host_draft_lengths(requests, [2, 4, 1]) == [2, 0, 1]
     rows = step(runner, requests, [4, 4, 4])
     assert [r.num_draft_tokens for r in rows] == [4, 0, 2]
+
+
+def test_the_step_makes_the_next_host_draft_and_the_policy_only_reads_it(tiny_llama_dir, monkeypatch):
+    """Host drafts are made once a step, at the end of the step before (the step thread), and
+    carried on the request: the policy's lengths and the next step's drafts propose nothing."""
+    from models.proposers import NgramProposer
+
+    runner = make_runner(tiny_llama_dir)
+    copying = running("copy", [7, 8, 9, 10, 11, 12, 13, 7, 8, 9, 10, 11, 12, 13, 7, 8], 0)
+    (out,) = step(runner, [copying], [0])
+    assert out.next_host_draft is not None
+    assert out.next_host_draft.num_tokens == len(copying.prompt_ids) + len(copying.output_ids)
+    calls = []
+    real = NgramProposer.propose
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, r, k: calls.append(len(r)) or real(self, r, k))
+    (length,) = runner.host_draft_lengths([copying], [4])
+    assert length == len(out.next_host_draft.token_ids[:4])
+    (verified,) = step(runner, [copying], [4])
+    assert verified.num_draft_tokens == length
+    assert calls == [1]  # once: the draft for the step after this one, made at its end
 
 
 def test_rows_only_a_forward_can_draft_for_keep_what_they_asked(tiny_llama_dir, tiny_draft_dir):

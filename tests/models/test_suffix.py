@@ -186,7 +186,7 @@ def test_eviction_keeps_the_cache_within_its_bound():
     held: list[list[int]] = []
     for _ in range(60):
         tokens = [rng.randrange(50) for _ in range(rng.randint(10, 80))]
-        cache.add("t", tokens)
+        cache.add("t", "t", tokens)
         held = (held + [tokens])[-bound:]  # FIFO within the tenant
         assert cache.num_requests <= bound
         assert cache.num_nodes <= 1 + depth * sum(len(t) for t in held)
@@ -195,11 +195,22 @@ def test_eviction_keeps_the_cache_within_its_bound():
 
 def test_eviction_takes_from_the_tenant_holding_the_most():
     cache = SuffixCache(8, 4)
-    cache.add("quiet", [1, 2, 3])
+    cache.add("quiet", "quiet", [1, 2, 3])
     for i in range(10):
-        cache.add("loud", [10 + i, 11 + i, 12 + i])
+        cache.add("loud", "loud", [10 + i, 11 + i, 12 + i])
     assert cache.num_requests == 4
     assert "quiet" in cache.trees  # the flood evicted only its own outputs
+
+
+def test_a_tenant_minting_fresh_salts_evicts_only_its_own_outputs():
+    cache = SuffixCache(8, 4)
+    cache.add("quiet", "quiet", [1, 2, 3])
+    cache.add("quiet", "quiet\x00team", [4, 5, 6])
+    for i in range(10):  # every request its own salt: a scope of one output each
+        cache.add("loud", f"loud\x00salt-{i}", [10 + i, 11 + i, 12 + i])
+    assert cache.num_requests == 4 and cache.num_tenants == 2
+    assert {"quiet", "quiet\x00team"} <= set(cache.trees)  # the flood evicted only its own outputs
+    assert sum(scope.startswith("loud") for scope in cache.trees) == 2
 
 
 def test_propose_work_is_bounded_by_new_tokens_not_context_length():

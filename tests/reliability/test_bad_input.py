@@ -251,9 +251,78 @@ CASES = [
     ),
     Case("tools", CHAT, json=body(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"),
     Case("continue-final-misuse", CHAT, json=body(CHAT, continue_final_message=True), param="continue_final_message"),
-    Case("template-kwargs-clash", CHAT, json=body(CHAT, chat_template_kwargs={"tokenize": True}), param="messages"),
+    Case(
+        "template-kwargs-clash",
+        CHAT,
+        json=body(CHAT, chat_template_kwargs={"tokenize": True}),
+        param="chat_template_kwargs",
+    ),  # fmt: skip
     Case("template-kwargs-string", CHAT, json=body(CHAT, chat_template_kwargs="x"), param="chat_template_kwargs"),
     Case("user-number", CHAT, json=body(CHAT, user=5), param="user"),
+    # -- every list and name bounded, every size judged before the work it would cost --
+    Case("stop-token-ids-65", CMPL, json=body(CMPL, stop_token_ids=list(range(65))), param="stop_token_ids"),
+    Case("stop-token-id-out-of-vocab", CHAT, json=body(CHAT, stop_token_ids=[10**9]), param="stop_token_ids"),
+    Case("stop-token-id-negative", CMPL, json=body(CMPL, stop_token_ids=[-1]), param="stop_token_ids"),
+    Case("messages-1025", CHAT, json=body(CHAT, messages=MESSAGES * 1025), param="messages"),
+    Case(
+        "content-parts-257",
+        CHAT,
+        json=body(CHAT, messages=user([{"type": "text", "text": "a"}] * 257)),
+        param="messages[0].content",
+    ),  # fmt: skip
+    Case("tools-129", CHAT, json=body(CHAT, tools=[{"type": "function"}] * 129), param="tools"),
+    Case(
+        "template-kwargs-33",
+        CHAT,
+        json=body(CHAT, chat_template_kwargs={f"k{i}": i for i in range(33)}),
+        param="chat_template_kwargs",
+    ),  # fmt: skip
+    Case("model-257-chars", CMPL, json=body(CMPL, model="m" * 257), param="model"),
+    Case("user-257-chars", CHAT, json=body(CHAT, user="u" * 257), param="user"),
+    Case("cache-salt-257-chars", CMPL, json=body(CMPL, cache_salt="s" * 257), param="cache_salt"),
+    Case(
+        "name-257-chars",
+        CHAT,
+        json=body(CHAT, messages=[{"role": "user", "content": "hi", "name": "n" * 257}]),
+        param="messages[0].name",
+    ),  # fmt: skip
+    Case(
+        "prompt-200k-chars", CMPL, json=body(CMPL, prompt="x" * 200_000), param="prompt", code="context_length_exceeded"
+    ),
+    Case(
+        "prompts-200k-chars",
+        CMPL,
+        json=body(CMPL, prompt=["y" * 100_000, "z" * 100_000]),
+        param="prompt",
+        code="context_length_exceeded",
+    ),  # fmt: skip
+    Case(
+        "messages-200k-chars",
+        CHAT,
+        json=body(CHAT, messages=user("w" * 200_000)),
+        param="messages",
+        code="context_length_exceeded",
+    ),  # fmt: skip
+    Case(
+        "prediction-200k-chars",
+        CHAT,
+        json=body(CHAT, prediction={"type": "content", "content": "p" * 200_000}),
+        param="prediction.content",
+        code="context_length_exceeded",
+    ),  # fmt: skip
+    Case(
+        "prediction-over-context",
+        CHAT,
+        json=body(CHAT, prediction={"type": "content", "content": "one two three " * 60}),
+        param="prediction.content",
+        code="prediction_too_long",
+    ),  # fmt: skip
+    Case(
+        "prediction-parts-257",
+        CHAT,
+        json=body(CHAT, prediction={"type": "content", "content": [{"type": "text", "text": "a"}] * 257}),
+        param="prediction.content",
+    ),  # fmt: skip
     # -- unknown fields are ignored, as OpenAI does --
     Case(
         "unknown-fields-cmpl",

@@ -49,6 +49,7 @@ def fault_body(path: str, fault: str, stream: bool, speculation) -> dict:
     return body
 
 
+@pytest.mark.slow
 async def test_faults_fail_only_their_request(chaos_server, cycle_text, tally):
     server = chaos_server
     before = server.wait_idle()

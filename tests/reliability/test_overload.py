@@ -10,6 +10,7 @@ import statistics
 import time
 
 import httpx
+import pytest
 
 from tests.reliability.rel_harness import (
     CYCLE_NAME,
@@ -63,6 +64,7 @@ async def reference_latency(http: httpx.AsyncClient) -> float:
     return statistics.median(samples[1:])
 
 
+@pytest.mark.slow
 async def test_bursts_are_shed_at_once_and_admitted_requests_finish_exactly(overload_server, cycle_text, tally):
     server = overload_server
     expected = {

@@ -19,7 +19,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-import server.middleware
+import server.auth
 from scheduler.types import MAX_LOGIT_BIAS, MAX_SPEC_TOKENS, MAX_TOP_LOGPROBS
 from server.app import create_app
 from server.config import DEFAULT_MAX_MODEL_LEN, Settings
@@ -77,38 +77,43 @@ def test_the_right_key_opens_every_route_and_health_stays_open(chaos_server):
     for method, path in v1_routes()[:-2]:
         response = httpx.request(method, chaos_server.url + path, headers=good, json={}, timeout=30)
         assert response.status_code == expected[method], (method, path, response.text[:300])
-    for path in ("/health", "/ready", "/metrics"):  # no --metrics-auth on this server
+    for path in ("/health", "/ready"):
         assert httpx.get(chaos_server.url + path, timeout=30).status_code == 200
+    assert httpx.get(chaos_server.url + "/metrics", headers=good, timeout=30).status_code == 200
 
 
 def in_process(**settings) -> httpx.AsyncClient:
     app = create_app(Settings(model="unused", **settings))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://specd")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
 
 
-async def test_metrics_needs_the_key_only_with_metrics_auth():
-    async with in_process(api_key="k", metrics_auth=True) as http:
+async def test_metrics_needs_the_key_unless_told_otherwise():
+    async with in_process(api_key="k") as http:  # a key configured: /metrics is closed by default
         assert (await http.get("/metrics")).status_code == 401
         assert (await http.get("/metrics", headers={"Authorization": "Bearer wrong"})).status_code == 401
         assert (await http.get("/metrics", headers={"Authorization": "Bearer k"})).status_code == 200
         assert (await http.get("/health")).status_code == 200
         assert (await http.get("/ready")).status_code == 503  # loading (no model here), not 401
-    async with in_process(api_key="k") as http:
+    async with in_process(api_key="k", metrics_auth=False) as http:  # --no-metrics-auth: an explicit choice
         assert (await http.get("/metrics")).status_code == 200
+    async with in_process() as http:  # no key anywhere (a loopback server): nothing to ask for
+        assert (await http.get("/metrics")).status_code == 200
+    with pytest.raises(ValueError, match="--metrics-auth needs an API key"):
+        Settings(model="unused", metrics_auth=True)
 
 
 @pytest.mark.parametrize("verdict", ["honest", "always-true", "always-false"])
 async def test_the_key_is_judged_by_compare_digest_alone(monkeypatch, verdict):
     """A spy replaces compare_digest: every decision follows its answer, so no other
     (timing-leaky) comparison takes part, and it sees the whole header every time."""
-    real = server.middleware.secrets.compare_digest
+    real = server.auth.secrets.compare_digest
     calls = []
 
     def spy(given, expected):
         calls.append((given, expected))
         return {"honest": real(given, expected), "always-true": True, "always-false": False}[verdict]
 
-    monkeypatch.setattr(server.middleware.secrets, "compare_digest", spy)
+    monkeypatch.setattr(server.auth.secrets, "compare_digest", spy)
     async with in_process(api_key="s3cret") as http:
         right = await http.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
         wrong = await http.get("/v1/models", headers={"Authorization": "Bearer guess"})
@@ -116,6 +121,41 @@ async def test_the_key_is_judged_by_compare_digest_alone(monkeypatch, verdict):
     passed = {"honest": (True, False, False), "always-true": (True, True, True), "always-false": (False, False, False)}
     assert tuple(r.status_code != 401 for r in (right, wrong, missing)) == passed[verdict]
     assert calls == [(b"Bearer s3cret", b"Bearer s3cret"), (b"Bearer guess", b"Bearer s3cret"), (b"", b"Bearer s3cret")]
+
+
+async def test_every_key_of_a_keys_file_is_compared_whichever_matches(monkeypatch, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# tenant key\nalpha key-alpha-1\nbeta key-beta-22\n\nalpha key-alpha-3\n")
+    real = server.auth.secrets.compare_digest
+    calls = []
+
+    def spy(given, expected):
+        calls.append(expected)
+        return real(given, expected)
+
+    monkeypatch.setattr(server.auth.secrets, "compare_digest", spy)
+    async with in_process(api_keys=keys) as http:
+        for key in ("key-alpha-1", "key-beta-22", "key-alpha-3", "nope"):
+            response = await http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert (response.status_code == 401) == (key == "nope")  # past the key: 503, no model loaded here
+    assert calls == [b"Bearer key-alpha-1", b"Bearer key-beta-22", b"Bearer key-alpha-3"] * 4
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "holds no key"),
+        ("alpha\n", "line 1: expected 'TENANT KEY'"),
+        ("bad/name key-12345\n", "line 1: a tenant name"),
+        ("alpha short\n", "line 1: a key has 8+"),
+        ("alpha key-12345\nbeta key-12345\n", "the same API key is given twice"),
+    ],
+)
+def test_a_keys_file_that_cannot_be_used_is_refused_with_its_line(tmp_path, text, message):
+    keys = tmp_path / "keys"
+    keys.write_text(text)
+    with pytest.raises(server.auth.CredentialsError, match=re.escape(message)):
+        server.auth.Credentials.load(api_keys_file=keys)
 
 
 # -- the model field ---------------------------------------------------------------------
@@ -184,7 +224,7 @@ async def test_model_names_are_never_opened_or_loaded(tiny_llama_dir, monkeypatc
         _AUDIT_HOOKED = True
     names = HOSTILE_NAMES + [str(tiny_llama_dir), str(tiny_llama_dir) + "/config.json"]
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://specd") as http:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
             _AUDIT = []
             for name in names:
                 reply = await http.post(

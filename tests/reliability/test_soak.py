@@ -4,11 +4,14 @@ threads, and a last-quarter p99 in line with the first."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.reliability.soak import run_soak
 
 CI_REQUESTS = 200
 
 
+@pytest.mark.slow
 async def test_short_soak(chaos_server, cycle_text, tally):
     report = await run_soak(chaos_server, cycle_text, CI_REQUESTS, concurrency=8)
     report.add_to(tally)

@@ -274,6 +274,7 @@ class SlowRunner:
         return self.runner.execute(batch)
 
 
+@pytest.mark.slow
 def test_run_offline_stops_at_its_deadline_and_keeps_what_came(tiny_llama_dir):
     target, runner = make_runner(tiny_llama_dir, max_num_seqs=2)
     ids = target.tokenizer("The quick brown fox").input_ids

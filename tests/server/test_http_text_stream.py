@@ -122,7 +122,9 @@ def test_api_key_is_required_on_v1(cycle_server, headers):
         assert response.json()["error"]["type"] == "authentication_error"
         assert response.headers["www-authenticate"] == "Bearer"
     assert httpx.get(cycle_server.url + "/health").status_code == 200
-    assert httpx.get(cycle_server.url + "/metrics").status_code == 200
+    # With a key configured, /metrics needs it too unless --no-metrics-auth says otherwise.
+    assert httpx.get(cycle_server.url + "/metrics", headers=headers).status_code == 401
+    assert httpx.get(cycle_server.url + "/metrics", headers=cycle_server.headers).status_code == 200
 
 
 def test_sdk_with_a_bad_key_raises(cycle_server):

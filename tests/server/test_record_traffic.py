@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 from types import SimpleNamespace
 
 import httpx
@@ -37,6 +39,8 @@ def test_every_finished_request_is_one_line_train_draft_reads(tiny_llama_dir, tm
         {"text": chat["choices"][0]["message"]["content"], "finish_reason": chat["choices"][0]["finish_reason"]}
     ]
     assert chat_line["model"] == str(tiny_llama_dir) and chat_line["time"].endswith("+00:00")
+    assert chat_line["tenant"] == text_line["tenant"] == "default"  # no key: the one tenant
+    assert traffic.stat().st_mode & 0o777 == 0o600  # user data: the owner's alone
     streamed = ["", ""]
     for event in events:
         for choice in json.loads(event.removeprefix("data: "))["choices"]:
@@ -54,9 +58,64 @@ def test_a_file_that_cannot_be_written_is_logged_not_raised(tmp_path, caplog):
     log = TrafficLog(tmp_path, "model")  # a directory: every append fails
     gen = SimpleNamespace(choices=[SimpleNamespace(text="hi", finish_reason="stop")])
     with caplog.at_level(logging.ERROR, logger="specd.server"):
-        record = log.recorder("/v1/completions", "cmpl-1", {"prompt": "x"})
+        record = log.recorder("/v1/completions", "cmpl-1", "default", {"prompt": "x"})
         record(gen)  # type: ignore[arg-type]
         record(gen)  # type: ignore[arg-type]
         log.close()
     failures = [r for r in caplog.records if "cannot append" in r.getMessage()]
     assert len(failures) == 1  # once per run of failures, not once per request
+
+
+GEN = SimpleNamespace(choices=[SimpleNamespace(text="out", finish_reason="stop")])
+
+
+def test_a_symbolic_link_is_never_written_through(tmp_path, caplog):
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    link = tmp_path / "traffic.jsonl"
+    os.symlink(target, link)
+    with caplog.at_level(logging.ERROR, logger="specd.server"):
+        log = TrafficLog(link, "model")
+        log.recorder("/v1/completions", "cmpl-1", "a", {"prompt": "x"})(GEN)  # type: ignore[arg-type]
+        log.close()
+    assert target.read_text() == ""  # O_NOFOLLOW: the link's target is untouched
+    assert any("cannot append" in r.getMessage() for r in caplog.records)
+
+
+def test_the_file_rotates_by_size_and_each_line_names_its_tenant(tmp_path):
+    path = tmp_path / "traffic.jsonl"
+    log = TrafficLog(path, "model", max_bytes=1000)
+    for i in range(20):
+        log.recorder("/v1/completions", f"cmpl-{i}", f"tenant-{i % 2}", {"prompt": "x" * 50})(GEN)  # type: ignore[arg-type]
+    log.close()
+    rotated = path.with_name("traffic.jsonl.1")
+    assert path.stat().st_size <= 1000 and rotated.stat().st_size <= 1000
+    lines = [json.loads(line) for f in (rotated, path) for line in f.read_text().splitlines()]
+    assert [line["id"] for line in lines] == [f"cmpl-{i}" for i in range(20 - len(lines), 20)]  # newest kept, in order
+    assert all(line["tenant"] == f"tenant-{int(line['id'][5:]) % 2}" for line in lines)
+    assert rotated.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_full_queue_drops_and_counts_never_blocks(tmp_path, monkeypatch):
+    import server.traffic as traffic
+
+    monkeypatch.setattr(traffic, "QUEUE_LINES", 4)
+    log = TrafficLog(tmp_path / "t.jsonl", "model")
+    stalled, release = threading.Event(), threading.Event()
+    append = log._append
+
+    def slow_append(entry):  # a disk that does not answer
+        stalled.set()
+        release.wait(10)
+        append(entry)
+
+    monkeypatch.setattr(log, "_append", slow_append)
+    record = log.recorder("/v1/completions", "cmpl", "a", {"prompt": "x"})
+    record(GEN)  # type: ignore[arg-type]
+    assert stalled.wait(10)  # the writer holds the first line; 4 more fit the queue
+    for _ in range(10):
+        record(GEN)  # type: ignore[arg-type]  # returns at once whatever the writer does
+    assert log.dropped == 6
+    release.set()
+    log.close()
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 5

@@ -14,7 +14,7 @@ from server.playground import playground_page
 
 def client_for(**settings) -> httpx.AsyncClient:
     app = create_app(Settings(model="unused", **settings))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://specd")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
 
 
 async def test_health_is_up_while_ready_and_generation_wait_for_the_model():
@@ -78,10 +78,11 @@ async def test_no_playground_leaves_the_root_unrouted():
             assert reply.status_code == 404 and reply.json()["error"]["code"] == "not_found"
 
 
-async def test_an_engine_that_dies_fails_its_requests_reports_dead_and_asks_to_exit(tiny_llama_dir):
+async def test_an_engine_that_dies_fails_its_requests_reports_dead_and_asks_to_exit(tiny_llama_dir, caplog):
     """The engine loop's own fault (not one request's step): the request in flight gets a
-    500 with the reason, new requests a 503 `engine_dead`, /health and /ready 503, and the
-    CLI's on_fatal is called so the process exits 1 for a supervisor to restart."""
+    500 (the reason goes to the log, not to the client), new requests a 503 `engine_dead`,
+    /health and /ready 503 without the reason, and the CLI's on_fatal is called so the
+    process exits 1 for a supervisor to restart."""
     exits: list[bool] = []
     app = create_app(Settings(model=str(tiny_llama_dir), dtype="float32"), on_fatal=lambda: exits.append(True))
     state = app.state.specd
@@ -92,15 +93,16 @@ async def test_an_engine_that_dies_fails_its_requests_reports_dead_and_asks_to_e
             raise RuntimeError("free list corrupted")
 
         state.engine.scheduler.update = broken_update
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://specd") as http:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
             body = {"model": str(tiny_llama_dir), "prompt": "Hello", "max_tokens": 8}
             failed = await http.post("/v1/completions", json=body)
-            assert failed.status_code == 500 and "free list corrupted" in failed.json()["error"]["message"]
+            assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
+            assert "corrupted" not in failed.text and "free list corrupted" in caplog.text
             assert exits == [True]
             refused = await http.post("/v1/completions", json=body)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
             for path in ("/health", "/ready"):
                 probe = await http.get(path)
-                assert probe.status_code == 503 and probe.json()["status"] == "engine_dead"
+                assert probe.status_code == 503 and probe.json() == {"status": "engine_dead"}
     finally:
         await state.stop_engine()

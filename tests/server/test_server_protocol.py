@@ -1,12 +1,61 @@
-from server.protocol import ChatCompletionRequest
+"""Request models: every list and name a client sends has a bound, checked before any work."""
+
+import pytest
+from pydantic import ValidationError
+
+from scheduler.types import MAX_STOP_TOKEN_IDS
+from server.protocol import (
+    MAX_CONTENT_PARTS,
+    MAX_ID_CHARS,
+    MAX_MESSAGES,
+    MAX_STOP_STRINGS,
+    MAX_TEMPLATE_KWARGS,
+    MAX_TOOLS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-def test_tenant_is_cache_salt_then_user_then_common():
-    def tenant(**fields) -> str:
-        return ChatCompletionRequest(model="m", messages=MESSAGES, **fields).tenant
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(**{"model": "m", "messages": MESSAGES, **fields})
 
-    assert tenant() == ""
-    assert tenant(user="alice") == "alice"
-    assert tenant(user="alice", cache_salt="team-1") == "team-1"
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"messages": MESSAGES * (MAX_MESSAGES + 1)},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * (MAX_CONTENT_PARTS + 1)}]},
+        {"messages": [{"role": "user", "content": "hi", "name": "n" * (MAX_ID_CHARS + 1)}]},
+        {"tools": [{"type": "function"}] * (MAX_TOOLS + 1)},
+        {"chat_template_kwargs": {f"k{i}": i for i in range(MAX_TEMPLATE_KWARGS + 1)}},
+        {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))},
+        {"stop": ["x"] * (MAX_STOP_STRINGS + 1)},
+        {"model": "m" * (MAX_ID_CHARS + 1)},
+        {"user": "u" * (MAX_ID_CHARS + 1)},
+        {"cache_salt": "s" * (MAX_ID_CHARS + 1)},
+        {"cache_salt": ""},
+        {"prediction": {"type": "content", "content": [{"type": "text", "text": "a"}] * (MAX_CONTENT_PARTS + 1)}},
+    ],
+    ids=lambda fields: next(iter(fields)),
+)
+def test_oversized_fields_are_refused_by_the_model(fields):
+    with pytest.raises(ValidationError):
+        chat(**fields)
+
+
+def test_fields_at_their_bounds_are_accepted():
+    request = chat(
+        messages=MESSAGES * MAX_MESSAGES,
+        stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)),
+        user="u" * MAX_ID_CHARS,
+        cache_salt="s" * MAX_ID_CHARS,
+    )
+    assert len(request.messages) == MAX_MESSAGES
+    assert CompletionRequest(model="m", prompt="x", stop_token_ids=[1, 2]).stop_token_ids == [1, 2]
+
+
+def test_user_is_not_a_request_tenant():
+    # The tenant comes from the credential (server.auth); the body has no say in it.
+    assert not hasattr(chat(user="alice"), "tenant")
