@@ -37,11 +37,10 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from benchmarks.common import chat_ids, load, table
+from benchmarks.common import chat_ids, table
 from benchmarks.lengths import max_tokens_per_request
 from benchmarks.serve_bench import load_prompts
 from models.builder import ProposerConfig, build_runner
@@ -176,66 +175,15 @@ def rotated_runs(
     n: int,
     modes: list[str],
     cfg: LoopConfig,
-    before_run: Callable[[str], None] | None = None,
 ) -> dict[str, list[dict]]:
     """Each mode's runs over `cfg.rounds` rounds, the order rotated every round so no mode always
-    follows the same one, then priced by one cost model (`_price`). `before_run(mode)` is called
-    before each run (a policy variant switched on or off)."""
+    follows the same one, then priced by one cost model (`_price`)."""
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(cfg.rounds):
         for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-            if before_run is not None:
-                before_run(mode)
             runs[mode].append(_run(runner, target, prompts, n, mode, cfg))
     _price(runs)
     return runs
-
-
-def instrumented_auto_run(sets: tuple[str, ...], n: int, instrument: Callable[[ModelRunner], None]) -> dict:
-    """One closed-loop `auto` run at `n` requests (bf16 by `--dtype auto`, n-gram, lengths drawn in
-    64 x [0.5, 1.5], three waves), after an `on` and an `off` run to warm the machine;
-    `instrument(runner)` patches the policy just before it. Prints and returns the run."""
-    target = load("auto", None, "cpu")
-    cfg = LoopConfig(sets=sets, rounds=1, length_range_ratio=0.5)
-    runner = build_runner(target, RunnerConfig(max_num_seqs=n, max_model_len=2048), ProposerConfig("ngram"))
-    prompts = _prompts(target, sets, 3 * n)
-    for mode in ("on", "off"):
-        _run(runner, target, prompts, n, mode, cfg)
-    instrument(runner)
-    run = _run(runner, target, prompts, n, "auto", cfg)
-    print(sets, n, "auto steps", run["steps"], "drafted", run["drafted"], "accepted", run["accepted"])
-    return run
-
-
-def variant_ab(sets: tuple[str, ...], levels: list[int], rounds: int, set_variant: Callable[[str], None]) -> None:
-    """A policy variant against `auto` in the closed loop (bf16 by `--dtype auto`, n-gram, each
-    request's length drawn once in 64 x [0.5, 1.5]): off, on, auto and autoX, an auto run that
-    `set_variant(mode)` switches the variant on for before it runs. Prints each mode's medians,
-    and auto's and autoX's ratio to the better fixed mode (modeled: on one cost model fitted to
-    every run's steps, so it does not drift with the machine; measured), with each round's."""
-    modes = ["off", "on", "auto", "autoX"]
-    MODES["autoX"] = "auto"
-    target = load("auto", None, "cpu")
-    cfg = LoopConfig(sets=sets, rounds=rounds, length_range_ratio=0.5)
-
-    def rate(run: dict) -> float:
-        return run["tokens"] / run["modeled_s"]
-
-    for n in levels:
-        runner = build_runner(target, RunnerConfig(max_num_seqs=n, max_model_len=2048), ProposerConfig("ngram"))
-        runs = rotated_runs(runner, target, _prompts(target, sets, 3 * n), n, modes, cfg, set_variant)
-        for m in modes:
-            median = {k: statistics.median(x[k] for x in runs[m]) for k in ("tps", "steps", "drafted", "accepted")}
-            print(sets, n, m, f"tps {median['tps']:.1f}", f"modeled tok/s {statistics.median(map(rate, runs[m])):.1f}",
-                  "steps", median["steps"], "drafted", median["drafted"], "accepted", median["accepted"],
-                  flush=True)  # fmt: skip
-        for a in ("auto", "autoX"):
-            per_round = [min(rate(runs[a][r]) / rate(runs[m][r]) for m in ("off", "on")) for r in range(rounds)]
-            measured = statistics.median(
-                min(runs[a][r]["tps"] / runs[m][r]["tps"] for m in ("off", "on")) for r in range(rounds)
-            )
-            print(sets, n, a, f"modeled {a}/better fixed {statistics.median(per_round):.3f} measured {measured:.3f}",
-                  "per round", " ".join(f"{x:.3f}" for x in per_round), flush=True)  # fmt: skip
 
 
 def loop_section(target: LoadedModel, dtype: str, cfg: LoopConfig) -> tuple[str, list[dict]]:

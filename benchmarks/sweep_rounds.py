@@ -1,11 +1,11 @@
 """Compare builds over alternating rounds of one `serve_bench` sweep: medians, not single runs.
 
-    python -m benchmarks.sweep_rounds benchmarks/results/paging-rounds-bf16 --baseline before
+    python -m benchmarks.sweep_rounds DIR --baseline before
 
 Two runs of one build on a 2-core CPU differed by up to 38% per row, so a
 before/after claim needs several runs of each, interleaved in time (round 1
-before, round 1 after, round 2 before, ...; `run.sh` beside the results does
-that). DIR holds one `serve_bench` output directory per run, named
+before, round 1 after, round 2 before, ...; benchmarks/results/paging/README.md
+has the loop that does that). DIR holds one `serve_bench` output directory per run, named
 `<build>-<round>`. Prints a markdown table: per (mode, load), each build's
 median output tok/s with its runs, and each build's median over the baseline's.
 """

@@ -1,6 +1,6 @@
 """Speculation policy: which rows draft this step, and how many tokens.
 
-Rule (documented in README, "How `auto` decides"):
+Rule (documented in docs/speculation.md):
 
 * `speculation: false` rows never draft; `true` rows always draft their K
   (request `num_speculative_tokens` or the engine's), whatever the batch.

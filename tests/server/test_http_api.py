@@ -182,7 +182,7 @@ def test_seed_reproduces_and_speculation_is_lossless(client, model):
         )
         return reply.choices[0].message.content
 
-    # Bit-for-bit for a pinned speculation path (README, "Seeds and speculation"): under
+    # Bit-for-bit for a pinned speculation path (docs/user-guide.md, "Seeds and speculation"): under
     # `auto` the server's learned state may verify a draft on one run and not the other.
     for mode in (False, True):
         pinned = {"body": {"speculation": mode}}
