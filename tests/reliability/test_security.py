@@ -158,6 +158,21 @@ def test_a_keys_file_that_cannot_be_used_is_refused_with_its_line(tmp_path, text
         server.auth.Credentials.load(api_keys_file=keys)
 
 
+async def test_a_keyless_loopback_server_answers_only_loopback_host_names():
+    """DNS rebinding: a page whose name now resolves to 127.0.0.1 sends its own name in Host."""
+    async with in_process() as http:
+        for host in ("evil.example", "evil.example:8000", "127.0.0.1.nip.io", "10.0.0.1"):
+            reply = await http.get("/health", headers={"Host": host})
+            assert reply.status_code == 421, host
+            assert reply.json()["error"]["code"] == "misdirected_request"
+        for host in ("localhost", "localhost:8000", "127.0.0.1:8000", "[::1]:8000"):
+            assert (await http.get("/health", headers={"Host": host})).status_code == 200, host
+    async with in_process(trusted_hosts=["specd.internal"]) as http:
+        assert (await http.get("/health", headers={"Host": "specd.internal:8000"})).status_code == 200
+    async with in_process(api_key="k" * 12) as http:  # a key: the key is the guard, any name is served
+        assert (await http.get("/health", headers={"Host": "specd.example.com"})).status_code == 200
+
+
 # -- the model field ---------------------------------------------------------------------
 
 HOSTILE_NAMES = [

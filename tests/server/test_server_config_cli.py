@@ -191,3 +191,36 @@ def test_kv_cache_memory_takes_bytes_units_or_a_fraction(clean_env):
         load_settings({"kv_cache_memory": "0"})
     settings = load_settings()
     assert (settings.prefix_caching, settings.block_size, settings.num_kv_blocks) == (True, 16, None)
+
+
+@pytest.mark.parametrize(
+    "flags, refused",
+    [
+        ({"host": "0.0.0.0"}, True),
+        ({"host": "192.168.1.5"}, True),
+        ({"host": "0.0.0.0", "allow_unauthenticated": True}, False),
+        ({"host": "0.0.0.0", "api_key": "k" * 12}, False),
+        ({"host": "127.0.0.1"}, False),
+        ({"host": "localhost"}, False),
+        ({"host": "::1"}, False),
+    ],
+)
+def test_a_keyless_server_binds_only_loopback_unless_told(clean_env, flags, refused):
+    settings = Settings(model="m", **flags)
+    if refused:
+        with pytest.raises(ValueError, match="--allow-unauthenticated"):
+            settings.check_exposure()
+    else:
+        settings.check_exposure()
+
+
+def test_serve_refuses_a_keyless_public_bind_before_loading_anything(clean_env, capsys):
+    assert main(["serve", "--model", "/nonexistent", "--host", "0.0.0.0"]) == 2
+    assert "reachable from other machines and no API key is set" in capsys.readouterr().err
+
+
+def test_a_keys_file_that_cannot_be_read_stops_serve_with_its_reason(clean_env, tmp_path, capsys):
+    keys = tmp_path / "keys"
+    keys.write_text("alpha short\n")
+    assert main(["serve", "--model", "/nonexistent", "--api-keys", str(keys)]) == 2
+    assert "line 1: a key has 8+" in capsys.readouterr().err
