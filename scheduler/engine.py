@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol
 
+from scheduler.kv_blocks import BlockEvent
 from scheduler.recorder import StepRecorder
 from scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from scheduler.stream import RequestStream
@@ -57,6 +58,7 @@ class AsyncEngine:
         step_thread: ThreadPoolExecutor | None = None,
         inline: bool = False,
         on_dead: Callable[[str], None] | None = None,
+        kv_events: Callable[[list[BlockEvent]], None] | None = None,
     ):
         """`step_thread` runs every model step; pass the thread that built the
         model. On CPU, PyTorch's bf16 kernels run far slower once a second
@@ -64,7 +66,8 @@ class AsyncEngine:
         SmolLM2 step), so one thread should own all torch work. `inline` runs
         steps on the event-loop thread instead, for offline use where that
         thread built the model and no HTTP needs serving meanwhile. `on_dead`
-        is told why, should the loop ever stop on a fault of its own."""
+        is told why, should the loop ever stop on a fault of its own. `kv_events` is
+        handed what entered and left the prefix cache, once a step (KV-event publishing)."""
         self.executor = executor
         # A proposer that measured its own acceptance (an EAGLE head's held-out record) is
         # where the policy starts its rows, unless the config says otherwise.
@@ -82,6 +85,9 @@ class AsyncEngine:
             config, proposer=executor.proposer_name, preview=preview, lookup=lookup, available=available
         )
         self.recorder = StepRecorder(self.scheduler, observer)
+        self._kv_events = kv_events
+        if kv_events is not None:
+            self.scheduler.blocks.events = []
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()
         self._inline = inline
@@ -220,6 +226,8 @@ class AsyncEngine:
             outputs = self.scheduler.update(batch, output, step_seconds)
             self._publish(outputs)
             self.recorder.step(batch, output, outputs, step_seconds)
+            if self._kv_events is not None:
+                self._kv_events(self.scheduler.blocks.drain_events())
             # Let the event loop run (HTTP, new submissions) between steps.
             await asyncio.sleep(0)
 

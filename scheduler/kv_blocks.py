@@ -41,6 +41,25 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass(frozen=True)
+class BlockStored:
+    """A full block entered the prefix cache: its key, its parent's (None at a chain's root) and its tokens."""
+
+    key: BlockKey
+    parent: BlockKey | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """A cached block was evicted (reallocated for other tokens)."""
+
+    key: BlockKey
+
+
+BlockEvent = BlockStored | BlockRemoved
+
+
 @dataclass
 class PrefixCacheStats:
     """Tokens looked up in the prefix cache and tokens found, since start (as vLLM counts them)."""
@@ -63,6 +82,13 @@ class BlockPool:
         # Blocks no request holds, least recently freed first; cached ones among them are evictable hits.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.stats = PrefixCacheStats()
+        # What entered and left the cache since the last `drain_events`, for KV-event publishing
+        # (`server.kv_events`); None: nobody listens, nothing is kept.
+        self.events: list[BlockEvent] | None = None
+
+    def drain_events(self) -> list[BlockEvent]:
+        events, self.events = self.events or [], [] if self.events is not None else None
+        return events
 
     # -- state --
     @property
@@ -121,6 +147,8 @@ class BlockPool:
             if key is not None:
                 del self.cached[key]
                 self.key_of[block] = None
+                if self.events is not None:
+                    self.events.append(BlockRemoved(key))
             self.ref_count[block] = 1
             blocks.append(block)
         return blocks
@@ -134,9 +162,14 @@ class BlockPool:
             if self.ref_count[block] == 0:
                 self.free[block] = None
 
-    def cache(self, block: int, key: BlockKey) -> None:
-        """A full block of computed tokens becomes a cache entry (the first block with a key wins)."""
+    def cache(
+        self, block: int, key: BlockKey, parent: BlockKey | None = None, token_ids: list[int] | None = None
+    ) -> None:
+        """A full block of computed tokens becomes a cache entry (the first block with a key wins);
+        `parent` (None for a sequence's first block) and `token_ids` describe it to KV-event listeners."""
         if not self.enable_caching or self.key_of[block] is not None or key in self.cached:
             return
         self.key_of[block] = key
         self.cached[key] = block
+        if self.events is not None and token_ids is not None:
+            self.events.append(BlockStored(key, parent, tuple(token_ids)))

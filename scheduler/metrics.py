@@ -49,6 +49,7 @@ and a CPU (seconds per token, minutes per request).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -106,6 +107,20 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "specd_kv_blocks_capacity": ("gauge", ()),
     "specd_spec_enabled": ("gauge", ()),
     "specd_suffix_cache_nodes": ("gauge", ()),
+}
+
+# The model-server protocol routers read (the Kubernetes Gateway API Inference Extension's
+# endpoint picker, llm-d, vllm-router): vLLM's names and meaning, label `model_name`, beside
+# ours, so a router built for vLLM scores specd replicas unchanged. Name -> (type, labels
+# besides `model_name`).
+PROTOCOL_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "vllm:num_requests_running": ("gauge", ()),
+    "vllm:num_requests_waiting": ("gauge", ()),
+    "vllm:kv_cache_usage_perc": ("gauge", ()),
+    "vllm:cache_config_info": ("gauge", ("block_size", "num_gpu_blocks")),
+    # No LoRA adapters here: one series with empty adapter lists, so a picker that reads it
+    # finds it (its value: when it was set, as vLLM's).
+    "vllm:lora_requests_info": ("gauge", ("max_lora", "running_lora_adapters", "waiting_lora_adapters")),
 }
 
 PHASES = ("prefill", "draft", "verify", "decode")
@@ -227,6 +242,24 @@ class MetricsObserver:
             "Nodes and leaves of the suffix proposer's trees over finished outputs (its memory; ~100 B each).",
         )
 
+        def protocol(name: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(name, doc, ("model_name", *labels), registry=self.registry)
+
+        self._vllm_running = protocol("vllm:num_requests_running", "Requests in the running batch (vLLM's name).")
+        self._vllm_waiting = protocol("vllm:num_requests_waiting", "Requests waiting for admission (vLLM's name).")
+        self._vllm_kv_usage = protocol(
+            "vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full (vLLM's name; specd_kv_cache_usage_ratio)."
+        )
+        self._vllm_cache_info = protocol(
+            "vllm:cache_config_info", "KV-cache configuration in labels; value 1 (vLLM's name).",
+            "block_size", "num_gpu_blocks",
+        )  # fmt: skip
+        self._vllm_lora_info = protocol(
+            "vllm:lora_requests_info", "LoRA adapters running and waiting (none: specd serves no adapters).",
+            "max_lora", "running_lora_adapters", "waiting_lora_adapters",
+        )  # fmt: skip
+        self._vllm_lora_info.labels(self.model_name, "0", "", "").set(time.time())
+
     def _init_series(self, spec_methods: Iterable[str], num_speculative_tokens: int) -> None:
         model = self.model_name
         for reason in FinishReason:
@@ -253,8 +286,14 @@ class MetricsObserver:
                      self._queue, self._batch_size, self._prediction_ratio):  # fmt: skip
             hist.labels(model)
         for gauge in (self._running, self._waiting, self._preempted, self._kv_usage, self._kv_blocks_used,
-                      self._kv_blocks_capacity, self._spec_enabled, self._suffix_nodes):  # fmt: skip
+                      self._kv_blocks_capacity, self._spec_enabled, self._suffix_nodes,
+                      self._vllm_running, self._vllm_waiting, self._vllm_kv_usage):  # fmt: skip
             gauge.labels(model).set(0)
+
+    def set_cache_config(self, block_size: int, num_blocks: int) -> None:
+        """The KV pool's shape, for routers that score prefix-cache affinity by blocks."""
+        self._vllm_cache_info.clear()
+        self._vllm_cache_info.labels(self.model_name, str(block_size), str(num_blocks)).set(1)
 
     # -- recording --
 
@@ -335,6 +374,9 @@ class MetricsObserver:
         self._kv_usage.labels(model).set(queue.kv_usage)
         self._kv_blocks_used.labels(model).set(queue.kv_blocks_used)
         self._kv_blocks_capacity.labels(model).set(queue.kv_blocks_total)
+        self._vllm_running.labels(model).set(queue.num_running)
+        self._vllm_waiting.labels(model).set(queue.num_waiting)
+        self._vllm_kv_usage.labels(model).set(queue.kv_usage)
 
     # -- exposition --
 

@@ -29,6 +29,7 @@ from scheduler.scheduler import SchedulerConfig
 from server.auth import Credentials
 from server.config import DEFAULT_KV_SEQUENCES, DEFAULT_MAX_MODEL_LEN, Settings
 from server.errors import install_error_handlers
+from server.kv_events import KVEventPublisher
 from server.middleware import AuthMiddleware, BodyLimitMiddleware, LoopbackHostMiddleware, RequestLogMiddleware
 from server.playground import playground_router
 from server.routes import router
@@ -146,6 +147,7 @@ class AppState:
     draining: bool = False
     started: float = field(default_factory=time.time)
     step_thread: ThreadPoolExecutor = field(default_factory=new_step_thread)
+    kv_events: KVEventPublisher | None = None  # --kv-events-endpoint
 
     async def start_engine(self) -> None:
         settings = self.settings
@@ -158,15 +160,22 @@ class AppState:
             if self.on_fatal:
                 self.on_fatal()
             return
+        if settings.kv_events_endpoint:
+            self.kv_events = KVEventPublisher(
+                settings.kv_events_endpoint, settings.kv_events_topic, components.scheduler_config.block_size
+            )
         engine = AsyncEngine(
             components.runner,
             components.scheduler_config,
             observer=self.metrics.observe,
             step_thread=self.step_thread,
             on_dead=self._engine_died,
+            kv_events=self.kv_events.publish if self.kv_events is not None else None,
         )
         await engine.start()
         self.engine = engine
+        cfg = components.scheduler_config
+        self.metrics.set_cache_config(cfg.block_size, cfg.num_kv_blocks or 0)
         loaded = components.loaded
         fingerprint = f"{VERSION}:{loaded.model_id}:{loaded.dtype}:{engine.executor.proposer_name}"
         self.serving = ServingContext(
@@ -208,6 +217,8 @@ class AppState:
             self.metrics.set_queue_state(self.engine.scheduler.queue_state())
         if self.serving is not None and self.serving.traffic is not None:
             self.serving.traffic.close()  # the last lines reach the file
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.step_thread.shutdown(wait=False)
 
 

@@ -89,6 +89,14 @@ class Settings(BaseSettings):
         description="--record-traffic: past this size the file becomes FILE.1 (replacing the one before) and a "
         "new one starts (256MiB, 1GB, ...).",
     )
+    kv_events_endpoint: str | None = Field(
+        None,
+        description="Publish KV-cache events (blocks stored and evicted, with their token ids) on this ZMQ "
+        "PUB endpoint, in vLLM's format, for routers that route by the blocks each replica holds, e.g. "
+        "tcp://*:5557. They carry every tenant's prompt tokens: bind where only the router reaches. Off by "
+        "default.",
+    )
+    kv_events_topic: str = Field("kv@specd", description="--kv-events-endpoint: the topic frame of every message.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Logging verbosity."
     )

@@ -8,8 +8,8 @@ from fastapi.responses import JSONResponse, Response
 from server.errors import NotFoundError, ServiceUnavailableError
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SpeculationInfo
 from server.serving import ServingContext
-from server.serving_chat import create_chat_completion
-from server.serving_completions import create_completion
+from server.serving_chat import create_chat_completion, render_chat
+from server.serving_completions import create_completion, render_completion
 
 router = APIRouter()
 
@@ -100,3 +100,15 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await create_chat_completion(_serving(request), body, request)
+
+
+# Rendering only: the token ids a request's prompt becomes here. Routers that route by prefix
+# (vllm-router's cache_aware, llm-d's precise scorer) ask every replica for them.
+@router.post("/v1/completions/render")
+async def completions_render(body: CompletionRequest, request: Request) -> list[dict]:
+    return await render_completion(_serving(request), body)
+
+
+@router.post("/v1/chat/completions/render")
+async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> dict:
+    return await render_chat(_serving(request), body)

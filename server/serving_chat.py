@@ -163,6 +163,15 @@ def token_logprobs(ctx: ServingContext, tokens: list[TokenInfo]) -> list[TokenLo
     return items
 
 
+async def render_chat(ctx: ServingContext, req: ChatCompletionRequest) -> dict:
+    """POST /v1/chat/completions/render: the prompt's token ids as this server would compute it,
+    nothing generated (what cache-aware routers and llm-d's token producer key replicas by)."""
+    ctx.check_model(req.model)
+    messages = chat_messages(req)
+    ctx.check_text_size(sum(len(m["content"]) for m in messages), "messages")
+    return {"token_ids": await ctx.off_loop(render_prompt, ctx, req, messages)}
+
+
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: HTTPRequest) -> Response:
     ctx.check_model(req.model)
     check_stream_options(req)

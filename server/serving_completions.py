@@ -93,6 +93,17 @@ def legacy_logprobs(ctx: ServingContext, tokens: list[TokenInfo], offset: int) -
     return result
 
 
+async def render_completion(ctx: ServingContext, req: CompletionRequest) -> list[dict]:
+    """POST /v1/completions/render: each prompt's token ids, nothing generated (vLLM's shape)."""
+    ctx.check_model(req.model)
+    prompts_given = [req.prompt] if isinstance(req.prompt, str) or not req.prompt else req.prompt
+    for item in prompts_given:
+        if isinstance(item, str):
+            ctx.check_text_size(len(item), "prompt")
+    prompt_ids, _ = await ctx.off_loop(tokenize_prompts, ctx, req)
+    return [{"token_ids": ids} for ids in prompt_ids]
+
+
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: HTTPRequest) -> Response:
     ctx.check_model(req.model)
     check_stream_options(req)

@@ -8,7 +8,7 @@ import re
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
-from scheduler.metrics import LATENCY_BUCKETS, METRICS, MetricsObserver
+from scheduler.metrics import LATENCY_BUCKETS, METRICS, PROTOCOL_METRICS, MetricsObserver
 from scheduler.types import FinishedRequestStats, FinishReason, QueueState, SpecCounts, StepStats
 from tests.support.metrics import Metrics
 
@@ -89,6 +89,27 @@ def test_every_design_metric_is_exposed_with_its_type_and_labels(observer):
             assert sample.labels["model"] == MODEL
             extra = set(sample.labels) - {"model", "le"}
             assert extra == set(labels), (name, sample.labels)
+
+
+def test_the_model_server_protocol_reads_vllms_names_beside_ours(observer):
+    """What a router built for vLLM scrapes (queue, running, KV usage, the pool's shape) is there
+    under vLLM's names and label, and agrees with specd's own series."""
+    observer.set_cache_config(16, 640)
+    observer.observe(spec_step())
+    fams = families(observer)
+    for name, (kind, labels) in PROTOCOL_METRICS.items():
+        family = fams.families[name]
+        assert family.type == kind and family.samples, name
+        for sample in family.samples:
+            assert sample.labels["model_name"] == MODEL
+            assert set(sample.labels) - {"model_name"} == set(labels), name
+    assert fams.one("vllm:num_requests_waiting", model_name=MODEL) == fams.one("specd_requests_waiting", model=MODEL)
+    assert fams.one("vllm:num_requests_running", model_name=MODEL) == fams.one("specd_requests_running", model=MODEL)
+    assert fams.one("vllm:kv_cache_usage_perc", model_name=MODEL) == fams.one("specd_kv_cache_usage_ratio", model=MODEL)
+    (lora,) = fams.families["vllm:lora_requests_info"].samples
+    assert (lora.labels["max_lora"], lora.labels["running_lora_adapters"], lora.value > 0) == ("0", "", True)
+    info = fams.families["vllm:cache_config_info"].samples
+    assert [(s.labels["block_size"], s.labels["num_gpu_blocks"], s.value) for s in info] == [("16", "640", 1.0)]
 
 
 def test_series_exist_at_zero_before_the_first_step(observer):

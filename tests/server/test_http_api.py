@@ -318,3 +318,21 @@ def test_cached_prompt_tokens_are_reported_in_usage(client, model):
     for expected_hit in (False, True):
         usage = client.completions.create(model=model, prompt=system + "Q:", max_tokens=2).usage
         assert (usage.prompt_tokens_details.cached_tokens > 0) is expected_hit
+
+
+def test_render_gives_the_prompt_token_ids_a_generation_would_use(client, tiny_server, model):
+    """POST /v1/{completions,chat/completions}/render: what prefix-routing routers key replicas by."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
+    usage = client.chat.completions.create(model=model, messages=messages, max_tokens=1).usage
+    rendered = httpx.post(tiny_server.base_url + "/chat/completions/render",
+                          json={"model": model, "messages": messages}, timeout=30).json()  # fmt: skip
+    assert len(rendered["token_ids"]) == usage.prompt_tokens
+    texts = httpx.post(tiny_server.base_url + "/completions/render",
+                       json={"model": model, "prompt": ["The quick", "fox"]}, timeout=30).json()  # fmt: skip
+    assert [len(t["token_ids"]) for t in texts] == [
+        client.completions.create(model=model, prompt=p, max_tokens=1).usage.prompt_tokens for p in ("The quick", "fox")
+    ]
+    ids = httpx.post(tiny_server.base_url + "/completions/render", json={"model": model, "prompt": [5, 6, 7]}).json()
+    assert ids == [{"token_ids": [5, 6, 7]}]
+    bad = httpx.post(tiny_server.base_url + "/completions/render", json={"model": "nope", "prompt": "x"})
+    assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
