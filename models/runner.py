@@ -32,9 +32,10 @@ import torch
 from models.device_draft import DeviceDraft, DeviceProposer, DraftPlan
 from models.eagle_head import held_out_rates
 from models.forward import forward_step, forward_with_hidden
+from models.host_drafts import HostDrafts
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, LayoutPlan
 from models.loader import LoadedModel
-from models.proposers import Draft, NgramProposer, PredictionProposer, Proposer, TokensAfter
+from models.proposers import Draft, NgramProposer, Proposer
 from models.rejection import greedy_verify, rejection_sample
 from models.sampling import (
     STREAM_ACCEPT,
@@ -51,7 +52,7 @@ from models.sampling import (
 )
 from models.suffix import SuffixProposer
 from models.transfer import DeviceArrays, HostBuffer, download
-from scheduler.types import MAX_SPEC_TOKENS, Batch, HostDraft, Request, RowOutput, ScheduledRow, StepOutput
+from scheduler.types import Batch, Request, RowOutput, ScheduledRow, StepOutput
 
 logger = logging.getLogger("specd.models")
 
@@ -132,9 +133,8 @@ class ModelRunner:
         (`ScheduledRow.use_lookup`) and the shadow drafts that teach the policy when to."""
         self.target = target
         self.config = config
-        self.proposer = proposer
         self.lookup = lookup if isinstance(proposer, DeviceProposer) else None
-        self.prediction = PredictionProposer()
+        self.host = HostDrafts(proposer, self.lookup)
         self.device = target.device
         self.vocab_size = target.vocab_size
         target.model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -149,6 +149,14 @@ class ModelRunner:
             config.num_kv_blocks * config.block_size,
             self.cache.num_bytes / 2**20,
         )
+
+    @property
+    def proposer(self) -> Proposer | DeviceProposer | None:
+        return self.host.proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | DeviceProposer | None) -> None:  # one proposer for both sides
+        self.host.proposer = proposer
 
     @property
     def proposer_name(self) -> str:
@@ -170,82 +178,15 @@ class ModelRunner:
     @property
     def lookup_drafts(self) -> Callable[[list[Request], list[int]], list[int]] | None:
         """For the policy: the lengths of the prompt-lookup drafts rows have now; None without lookup."""
-        return self._lookup_lengths if self.lookup is not None else None
-
-    def _lookup_lengths(self, requests: list[Request], num_tokens: list[int]) -> list[int]:
-        return [len(d.token_ids) if d else 0 for d in self.host_drafts(requests, num_tokens)]
+        return self.host.lookup_lengths if self.lookup is not None else None
 
     def host_draft_lengths(self, requests: list[Request], num_tokens: list[int]) -> list[int]:
-        """For the policy: how many tokens (at most `num_tokens`) each row's host draft would
-        carry now: Predicted Outputs' for a row with a prediction, else the n-gram proposer's.
-        The step that follows verifies those very drafts. Rows only a forward or a preview
-        can answer for (a draft model, a head, suffix decoding) keep `num_tokens`."""
-        drafts = self.host_drafts(requests, num_tokens)
-        return [
-            len(d.token_ids) if d is not None and (r.prediction_ids or isinstance(self.proposer, NgramProposer)) else k
-            for r, k, d in zip(requests, num_tokens, drafts)
-        ]
-
-    def _host_proposer(self, request: Request) -> NgramProposer | PredictionProposer | None:
-        """The model-free proposer a row drafts from: its prediction, else prompt lookup
-        (the proposer itself, or the lookup beside a device proposer); None: no such draft."""
-        if request.prediction_ids:
-            return self.prediction
-        if isinstance(self.proposer, NgramProposer):
-            return self.proposer
-        return self.lookup
-
-    def host_drafts(self, requests: list[Request], num_tokens: list[int]) -> list[Draft | None]:
-        """Each row's host draft of at most k tokens: the one made at the end of the last
-        step (`Request.host_draft`) where it covers the request's tokens, else made now."""
-        drafts: list[Draft | None] = []
-        for request, k in zip(requests, num_tokens):
-            proposer = self._host_proposer(request)
-            if proposer is None:
-                drafts.append(None)
-                continue
-            cached = request.host_draft
-            if cached is not None and cached.fits(
-                proposer.method, len(request.prompt_ids) + len(request.output_ids), k
-            ):
-                drafts.append(Draft(cached.token_ids[:k], proposer.method))
-                continue
-            try:
-                (draft,) = proposer.propose([request], [k])
-            except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
-                logger.exception("%s proposer failed; this row drafts nothing this step", proposer.method)
-                draft = Draft([], proposer.method)
-            drafts.append(draft)
-        return drafts
-
-    def _next_host_drafts(self, plan: StepPlan, outputs: dict[str, RowOutput]) -> None:
-        """Make each sampled row's host draft for the step after this one, here on the step
-        thread, so the policy (on the event loop) and the next step only read it."""
-        for i in plan.sample_rows:
-            request = plan.rows[i].request
-            out = outputs.get(request.request_id)
-            proposer = self._host_proposer(request)
-            if proposer is None or out is None or not out.token_ids:
-                continue
-            if len(request.output_ids) + len(out.token_ids) >= request.params.max_tokens:
-                continue  # the request ends with this step
-            after = TokensAfter(request.request_id, request.prompt_ids, request.output_ids + out.token_ids,
-                                request.prediction_ids)  # fmt: skip
-            try:
-                (draft,) = proposer.propose([after], [MAX_SPEC_TOKENS])
-            except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
-                logger.exception("%s proposer failed; the next step makes its draft again", proposer.method)
-                continue
-            num_tokens = len(request.prompt_ids) + len(after.output_ids)
-            out.next_host_draft = HostDraft(proposer.method, num_tokens, MAX_SPEC_TOKENS, draft.token_ids)
+        """For the policy: each row's host-draft length now (`HostDrafts.lengths`)."""
+        return self.host.lengths(requests, num_tokens)
 
     def free(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self.prediction.free(request_id)
-            if self.proposer:
-                self.proposer.free(request_id)
-            if self.lookup:
-                self.lookup.free(request_id)
+            self.host.free(request_id)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
@@ -261,7 +202,7 @@ class ModelRunner:
         logits = self._forward(plan, arrays, device_draft)
         outputs = self._sample(plan, arrays, logits, device_draft) if plan.sample_rows else {}
         clock.lap(_forward_phase(plan))
-        self._next_host_drafts(plan, outputs)
+        self.host.make_next([(plan.rows[i].request, outputs.get(plan.rows[i].request_id)) for i in plan.sample_rows])
         output = self._step_output(plan, outputs, clock.phases)
         if isinstance(self.proposer, SuffixProposer):
             output.suffix_cache_nodes = self.proposer.num_cache_nodes
@@ -313,7 +254,7 @@ class ModelRunner:
 
     # -- prepare: host-side drafting and the step's one upload --
     def _prepare(self, rows: list[ScheduledRow], device_drafting: bool = True) -> StepPlan:
-        host_drafts, draft_rows = self._propose_host(rows, device_drafting)
+        host_drafts, draft_rows = self.host.for_step(rows, device_drafting)
         num_draft = [len(d.token_ids) if d else 0 for d in host_drafts]
         methods = [d.method if d else None for d in host_drafts]
         for i in draft_rows:
@@ -335,7 +276,7 @@ class ModelRunner:
                 [r.block_ids for r in rows], [r.start_pos for r in rows], lens, self.config.block_size
             ),
             sample_rows=[i for i, row in enumerate(rows) if row.sample],
-            shadows=self._shadow_drafts(rows),
+            shadows=self.host.shadows(rows),
             probe_rows=probe_rows,
         )
         buf = plan.buf
@@ -377,66 +318,6 @@ class ModelRunner:
         if plan.sample_rows:
             self._plan_sampling(plan)
         return plan
-
-    def _propose_host(self, rows: list[ScheduledRow], device_drafting: bool) -> tuple[list[Draft | None], list[int]]:
-        """Model-free drafts per row, and the rows a device proposer will draft for on the device."""
-        drafts: list[Draft | None] = [None] * len(rows)
-        spec = [i for i, row in enumerate(rows) if row.sample and row.num_spec_tokens > 0]
-        if isinstance(self.proposer, DeviceProposer):
-            host = [
-                i for i in spec if rows[i].request.prediction_ids or (self.lookup is not None and rows[i].use_lookup)
-            ]
-            on_device = [i for i in spec if i not in host]
-        elif isinstance(self.proposer, NgramProposer):
-            host, on_device = spec, []
-        else:  # suffix decoding (its own drafts) or none: host drafts for predictions only
-            host = [i for i in spec if rows[i].request.prediction_ids]
-            others = [i for i in spec if not rows[i].request.prediction_ids]
-            if self.proposer is not None:
-                self._run_host(self.proposer, rows, others, drafts)
-            on_device = []
-        self._fill(drafts, rows, host, [rows[i].num_spec_tokens for i in host])
-        return drafts, on_device if device_drafting else []
-
-    def _shadow_drafts(self, rows: list[ScheduledRow]) -> dict[int, list[int]]:
-        """Unverified drafts the policy asked for, to learn rows' acceptance at no verify cost: a
-        model-free proposer's (or, beside a device proposer, prompt lookup's)."""
-        drafts: list[Draft | None] = [None] * len(rows)
-        want = [i for i, row in enumerate(rows) if row.num_shadow_tokens and row.sample]
-        host = [i for i in want if self._host_proposer(rows[i].request) is not None]
-        self._fill(drafts, rows, host, [rows[i].num_shadow_tokens for i in host])
-        if self.proposer is not None and not isinstance(self.proposer, DeviceProposer):  # suffix decoding's own
-            own = [i for i in want if i not in host]
-            self._run_host(self.proposer, rows, own, drafts, [rows[i].num_shadow_tokens for i in own])
-        return {i: d.token_ids for i, d in enumerate(drafts) if d is not None}
-
-    def _fill(self, drafts: list[Draft | None], rows: list[ScheduledRow], index: list[int], k: list[int]) -> None:
-        for i, draft in zip(index, self.host_drafts([rows[i].request for i in index], k)):
-            if draft is not None and draft.token_ids:
-                drafts[i] = draft
-
-    @staticmethod
-    def _run_host(
-        proposer,
-        rows: list[ScheduledRow],
-        index: list[int],
-        drafts: list[Draft | None],
-        num_tokens: list[int] | None = None,
-    ) -> None:
-        """Fill `drafts[i]` for the rows at `index` from `proposer` (num_tokens each, default the
-        row's num_spec_tokens)."""
-        if not index:
-            return
-        if num_tokens is None:
-            num_tokens = [rows[i].num_spec_tokens for i in index]
-        try:
-            proposed = proposer.propose([rows[i].request for i in index], num_tokens)
-        except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
-            logger.exception("%s proposer failed; these rows decode plainly this step", proposer.method)
-            return
-        for i, draft in zip(index, proposed):
-            if draft.token_ids:
-                drafts[i] = draft
 
     def _plan_sampling(self, plan: StepPlan) -> None:
         buf, rows, n_max = plan.buf, plan.rows, plan.n_max
