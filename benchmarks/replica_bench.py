@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.serve_bench import load_prompts
-from tests.support.router import Replica, router_binary, start_replicas, start_router
+from tests.support.router import Replica, completed_requests, router_binary, start_replicas, start_router
 from tests.support.server import serve_args
 
 MODEL = "specd"
@@ -99,7 +99,7 @@ def counters(replicas: list[Replica]) -> tuple[list[float], float, float]:
     served, drafted, accepted = [], 0.0, 0.0
     for replica in replicas:
         m = replica.metrics()
-        served.append(sum(m.value("specd_requests_total", finish_reason=r, default=0) for r in ("stop", "length")))
+        served.append(completed_requests(m))
         drafted += m.value("specd_spec_decode_num_draft_tokens_total", method="suffix", default=0)
         accepted += m.value("specd_spec_decode_num_accepted_tokens_total", method="suffix", default=0)
     return served, drafted, accepted

@@ -87,7 +87,10 @@ class BlockPool:
         self.events: list[BlockEvent] | None = None
 
     def drain_events(self) -> list[BlockEvent]:
-        events, self.events = self.events or [], [] if self.events is not None else None
+        """The events since the last call (none when nobody listens)."""
+        if self.events is None:
+            return []
+        events, self.events = self.events, []
         return events
 
     # -- state --

@@ -364,14 +364,11 @@ class Scheduler:
         # Positions past num_tokens may hold accepted drafts cut by a stop token: not the sequence's.
         num_full = min(request.num_computed_tokens, request.num_tokens) // size
         self._extend_keys(request, num_full)
-        listening = self.blocks.events is not None
+        listening = self.blocks.events is not None  # KV events say what each block holds
         for i in range(from_position // size, num_full):
-            if listening:  # KV events say what each block holds
-                parent = request.block_keys[i - 1] if i else None
-                tokens = request.token_slice(i * size, (i + 1) * size)
-                self.blocks.cache(request.block_ids[i], request.block_keys[i], parent, tokens)
-            else:
-                self.blocks.cache(request.block_ids[i], request.block_keys[i])
+            parent = request.block_keys[i - 1] if i else None
+            tokens = request.token_slice(i * size, (i + 1) * size) if listening else None
+            self.blocks.cache(request.block_ids[i], request.block_keys[i], parent, tokens)
 
     def _extend_keys(self, request: Request, num_blocks: int) -> None:
         """Prefix-cache keys of the request's first `num_blocks` full blocks (computed once each)."""

@@ -58,8 +58,9 @@ def encode_batch(events: list[BlockEvent], block_size: int, timestamp: float) ->
 
 
 class KVEventPublisher:
-    """Publishes batches of block events on a ZMQ PUB socket (bound when the endpoint has a `*`
-    or names a local port, as vLLM does, else connected)."""
+    """Publishes batches of block events on a ZMQ PUB socket: bound where the endpoint has a `*`
+    (as vLLM binds) or is a loopback, 0.0.0.0 or ipc/inproc address; else connected to a
+    listener there."""
 
     def __init__(self, endpoint: str, topic: str, block_size: int):
         import zmq  # only where events are asked for

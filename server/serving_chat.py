@@ -163,12 +163,18 @@ def token_logprobs(ctx: ServingContext, tokens: list[TokenInfo]) -> list[TokenLo
     return items
 
 
+def sized_messages(ctx: ServingContext, req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as the template reads them, refused (400) if their text cannot fit the context."""
+    messages = chat_messages(req)
+    ctx.check_text_size(sum(len(m["content"]) for m in messages), "messages")
+    return messages
+
+
 async def render_chat(ctx: ServingContext, req: ChatCompletionRequest) -> dict:
     """POST /v1/chat/completions/render: the prompt's token ids as this server would compute it,
     nothing generated (what cache-aware routers and llm-d's token producer key replicas by)."""
     ctx.check_model(req.model)
-    messages = chat_messages(req)
-    ctx.check_text_size(sum(len(m["content"]) for m in messages), "messages")
+    messages = sized_messages(ctx, req)
     return {"token_ids": await ctx.off_loop(render_prompt, ctx, req, messages)}
 
 
@@ -176,8 +182,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_model(req.model)
     check_stream_options(req)
     check_unsupported(req)
-    messages = chat_messages(req)
-    ctx.check_text_size(sum(len(m["content"]) for m in messages), "messages")
+    messages = sized_messages(ctx, req)
     predicted = content_text(req.prediction.content, "prediction.content") if req.prediction is not None else None
     if predicted is not None:
         ctx.check_text_size(len(predicted), "prediction.content")

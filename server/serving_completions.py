@@ -93,13 +93,22 @@ def legacy_logprobs(ctx: ServingContext, tokens: list[TokenInfo], offset: int) -
     return result
 
 
+def given_prompts(req: CompletionRequest) -> list:
+    """`prompt` as a list: of texts, of token-id lists, or of token ids (one prompt)."""
+    return [req.prompt] if isinstance(req.prompt, str) or not req.prompt else req.prompt
+
+
+def check_prompt_sizes(ctx: ServingContext, prompts: list) -> None:
+    """400 for a text prompt that cannot fit the context, judged before it is tokenized."""
+    for item in prompts:
+        if isinstance(item, str):
+            ctx.check_text_size(len(item), "prompt")
+
+
 async def render_completion(ctx: ServingContext, req: CompletionRequest) -> list[dict]:
     """POST /v1/completions/render: each prompt's token ids, nothing generated (vLLM's shape)."""
     ctx.check_model(req.model)
-    prompts_given = [req.prompt] if isinstance(req.prompt, str) or not req.prompt else req.prompt
-    for item in prompts_given:
-        if isinstance(item, str):
-            ctx.check_text_size(len(item), "prompt")
+    check_prompt_sizes(ctx, given_prompts(req))
     prompt_ids, _ = await ctx.off_loop(tokenize_prompts, ctx, req)
     return [{"token_ids": ids} for ids in prompt_ids]
 
@@ -108,12 +117,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: HT
     ctx.check_model(req.model)
     check_stream_options(req)
     check_unsupported(req)
-    prompts_given = [req.prompt] if isinstance(req.prompt, str) or not req.prompt else req.prompt
+    prompts_given = given_prompts(req)
     if not isinstance(prompts_given[0], int) and len(prompts_given) * req.n > MAX_CHOICES:
         raise BadRequestError(f"at most {MAX_CHOICES} sequences (prompts x n) per request", param="n")
-    for item in prompts_given:
-        if isinstance(item, str):
-            ctx.check_text_size(len(item), "prompt")
+    check_prompt_sizes(ctx, prompts_given)
     prompt_ids, prompt_texts = await ctx.off_loop(tokenize_prompts, ctx, req)
     if len(prompt_ids) * req.n > MAX_CHOICES:
         raise BadRequestError(f"at most {MAX_CHOICES} sequences (prompts x n) per request", param="n")

@@ -15,7 +15,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.support.router import router_binary, start_replicas, start_router
+from tests.support.router import completed_requests, router_binary, start_replicas, start_router
 from tests.support.server import serve_args
 
 ROUTER = router_binary()
@@ -37,8 +37,7 @@ def completion(url: str, prompt: str, **fields) -> httpx.Response:
 
 
 def served(replica) -> float:
-    metrics = replica.metrics()
-    return sum(metrics.value("specd_requests_total", finish_reason=r, default=0) for r in ("length", "stop"))
+    return completed_requests(replica.metrics())
 
 
 def test_cache_aware_routing_keeps_a_prefix_on_one_replica(replicas, tmp_path):

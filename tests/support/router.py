@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tests.support import REPO
+from tests.support.metrics import Metrics
 from tests.support.server import SpecdServer, free_port
 
 ROUTER_VENV = REPO / ".router-venv"
@@ -61,6 +62,11 @@ class Router(SpecdServer):
                 "--health-check-interval-secs", "1",
                 "--health-failure-threshold", "1", "--cb-failure-threshold", "3", "--log-level", "warning",
                 *self.extra]  # fmt: skip
+
+
+def completed_requests(metrics: Metrics) -> float:
+    """Requests a replica finished normally (stop or length), from its /metrics."""
+    return sum(metrics.value("specd_requests_total", finish_reason=r, default=0) for r in ("stop", "length"))
 
 
 def start_replicas(args: Sequence[str], log_dir: Path, cores: Sequence[str | None]) -> list[Replica]:
