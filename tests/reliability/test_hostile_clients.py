@@ -1,7 +1,9 @@
 """Hostile clients beside honest ones: every bad or oversized request of the bad-input battery
 (and more) is answered with a clean OpenAI error in under a second while 8 honest greedy
 streams run; the streams keep their pace (median TPOT within 1.2x of a quiet run), end with
-the text they get alone, and /health answers in under 100 ms throughout.
+the text they get alone, and /health answers: 99% of probes in under 100 ms in both phases, every
+probe in under a second (the liveness probe's timeout is 5 s). The slowest single probe is not
+the measure: on a shared 2-core CI machine a quiet phase alone once saw 302 ms.
 
 Timing-sensitive, so marked `slow` (make test runs it in its own step); figures are
 printed in the suite's closing table and kept in docs/reliability.md.
@@ -30,7 +32,8 @@ HONEST_ROUNDS = 3
 HONEST_PROMPTS = [f"Story {i}: once upon a time" for i in range(HONEST_STREAMS)]
 MAX_TPOT_RATIO = 1.2
 MAX_ERROR_SECONDS = 1.0
-MAX_HEALTH_SECONDS = 0.1
+MAX_HEALTH_P99_SECONDS = 0.1
+MAX_HEALTH_SECONDS = 1.0
 # One hostile client, one request at a time, 40 a second: malice, not a flood. A flood at full
 # speed is a rate limit's job (the proxy in front; docs/security.md): unpaced, this client sent
 # ~470 requests/s into a 2-core machine and the streams' TPOT rose 2.3x.
@@ -165,9 +168,12 @@ async def test_hostile_clients_get_clean_errors_while_honest_streams_keep_pace(h
     tally.notes["hostile: median TPOT, attacked / quiet"] = (
         f"{attacked * 1000:.1f} / {quiet * 1000:.1f} ms ({attacked / quiet:.2f}x)"
     )
-    tally.notes["hostile: slowest /health, attacked / quiet"] = (
-        f"{max(hostility.health[True]) * 1000:.0f} / {max(hostility.health[False]) * 1000:.0f} ms "
-        f"({sum(map(len, hostility.health.values()))} probes)"
+    p99 = {phase: statistics.quantiles(times, n=100)[98] for phase, times in hostility.health.items()}
+    tally.notes["hostile: /health p99, attacked / quiet"] = (
+        f"{p99[True] * 1000:.0f} / {p99[False] * 1000:.0f} ms ({sum(map(len, hostility.health.values()))} probes)"
     )
+    slowest_health = max(max(hostility.health[True]), max(hostility.health[False]))
+    tally.notes["hostile: slowest /health"] = f"{slowest_health * 1000:.0f} ms"
     assert attacked / quiet <= MAX_TPOT_RATIO
-    assert max(max(hostility.health[True]), max(hostility.health[False])) < MAX_HEALTH_SECONDS
+    assert max(p99.values()) < MAX_HEALTH_P99_SECONDS
+    assert slowest_health < MAX_HEALTH_SECONDS
