@@ -11,9 +11,9 @@ from models.builder import ProposerConfig, build_runner
 from models.loader import LoadedModel, ModelConfig, load_model
 from models.runner import RunnerConfig
 from scheduler.offline import run_offline
-from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
+from speculation.policy import SpecConfig
 
 
 @dataclass

@@ -25,7 +25,7 @@ draft tokens and accepted ones.
 
 Drift that large hides a 5% difference, so every step's shape (tokens, keys,
 verify or not, draft forwards) and time are also recorded, one step-cost model
-(`scheduler.cost_model`, the one the policy learns) is fitted to the steps of
+(`speculation.cost_model`, the one the policy learns) is fitted to the steps of
 all modes and rounds of a batch size together, and each run is priced by it:
 "modeled" seconds are what the run's steps cost on one machine at one speed.
 Its ratios do not drift; they are as good as that model's fit, which the table
@@ -46,11 +46,11 @@ from benchmarks.serve_bench import load_prompts
 from models.builder import ProposerConfig, build_runner
 from models.loader import LoadedModel
 from models.runner import ModelRunner, RunnerConfig
-from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.offline import run_offline
-from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig, step_shape
 from scheduler.types import Batch, Request, SamplingParams, StepOutput
+from speculation.cost_model import StepCostModel, StepShape
+from speculation.policy import SpecConfig
 
 MODES: dict[str, Literal["auto", True, False]] = {"off": False, "on": True, "auto": "auto"}
 

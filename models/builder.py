@@ -9,17 +9,17 @@ from pathlib import Path
 
 import torch
 
-from models.device_draft import DeviceProposer
-from models.draft_model import DraftModelProposer
-from models.eagle import EagleProposer
 from models.eagle_head import EagleHead, load_head
 from models.forward import check_plain_logits
 from models.kv_cache import KVCache
 from models.loader import LoadedModel, ModelConfig, check_draft_compatible, load_model
-from models.proposers import NgramProposer, Proposer
 from models.runner import ModelRunner, RunnerConfig
-from models.suffix import SuffixConfig, SuffixProposer
 from scheduler.kv_blocks import blocks_for
+from speculation.device_draft import DeviceProposer
+from speculation.draft_model import DraftModelProposer
+from speculation.eagle import EagleProposer
+from speculation.proposers import NgramProposer, Proposer
+from speculation.suffix import SuffixConfig, SuffixProposer
 
 logger = logging.getLogger("specd.models")
 

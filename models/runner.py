@@ -29,14 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.device_draft import DeviceDraft, DeviceProposer, DraftPlan
 from models.eagle_head import held_out_rates
 from models.forward import forward_step, forward_with_hidden
-from models.host_drafts import HostDrafts
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, LayoutPlan
 from models.loader import LoadedModel
-from models.proposers import Draft, NgramProposer, Proposer
-from models.rejection import greedy_verify, rejection_sample
 from models.sampling import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
@@ -50,9 +46,13 @@ from models.sampling import (
     sample_from_probs,
     uniform_noise,
 )
-from models.suffix import SuffixProposer
 from models.transfer import DeviceArrays, HostBuffer, download
 from scheduler.types import Batch, Request, RowOutput, ScheduledRow, StepOutput
+from speculation.device_draft import DeviceDraft, DeviceProposer, DraftPlan
+from speculation.host_drafts import HostDrafts
+from speculation.proposers import Draft, NgramProposer, Proposer
+from speculation.rejection import greedy_verify, rejection_sample
+from speculation.suffix import SuffixProposer
 
 logger = logging.getLogger("specd.models")
 

@@ -55,8 +55,8 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
-from scheduler.policy import PLAIN_REASONS
 from scheduler.types import FinishedRequestStats, FinishReason, QueueState, SpecCounts, StepStats
+from speculation.policy import PLAIN_REASONS
 
 # Seconds: 1 ms .. 10 min, ~1-2-5 per decade plus a few midpoints.
 LATENCY_BUCKETS = (

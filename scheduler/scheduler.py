@@ -23,9 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler.cost_model import StepShape
 from scheduler.kv_blocks import BlockPool, block_key, blocks_for
-from scheduler.policy import DEVICE_PROPOSERS, DraftLengths, Preview, SpecConfig, SpecPolicy, StepPlan
 from scheduler.types import (
     Batch,
     FinishReason,
@@ -37,6 +35,8 @@ from scheduler.types import (
     ScheduledRow,
     StepOutput,
 )
+from speculation.cost_model import StepShape
+from speculation.policy import DEVICE_PROPOSERS, DraftLengths, Preview, SpecConfig, SpecPolicy, StepPlan
 
 logger = logging.getLogger(__name__)
 

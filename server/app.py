@@ -24,7 +24,6 @@ from starlette.middleware.cors import CORSMiddleware
 
 from scheduler.engine import AsyncEngine, new_step_thread
 from scheduler.metrics import MetricsObserver
-from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
 from server.auth import Credentials
 from server.config import DEFAULT_KV_SEQUENCES, DEFAULT_MAX_MODEL_LEN, Settings
@@ -35,6 +34,7 @@ from server.playground import playground_router
 from server.routes import router
 from server.serving import ServingContext
 from server.traffic import TrafficLog
+from speculation.policy import SpecConfig
 
 if TYPE_CHECKING:
     from models.loader import LoadedModel, ModelConfig

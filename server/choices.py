@@ -37,7 +37,7 @@ from server.protocol import (
     Usage,
 )
 from server.record import RequestRecord
-from server.speculation_tally import SpeculationTally
+from speculation.tally import SpeculationTally
 
 logger = logging.getLogger("specd.server")
 

@@ -30,9 +30,9 @@ from models.forward import captured_layers, side_by_side
 from models.loader import LoadedModel
 from models.runner import RunnerConfig
 from scheduler.offline import Completion, run_offline
-from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import FinishReason, Request, SamplingParams
+from speculation.policy import SpecConfig
 from training.prompts import TrainingPrompt
 
 logger = logging.getLogger("specd.training")

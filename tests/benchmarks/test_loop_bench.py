@@ -12,10 +12,10 @@ from benchmarks.loop_bench import LoopConfig, loop_section, shared_cost_model
 from benchmarks.serve_bench import load_prompts
 from models.builder import ProposerConfig, build_runner
 from models.runner import RunnerConfig
-from scheduler.cost_model import StepShape
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
+from speculation.cost_model import StepShape
 
 
 def test_closed_loop_runs_every_mode_and_counts_the_batch(tiny_llama_dir):

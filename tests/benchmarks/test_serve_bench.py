@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import serve_bench, serve_report
 from benchmarks.peers import Peer, VllmServe
-from scheduler.policy import PLAIN_REASONS
+from speculation.policy import PLAIN_REASONS
 
 MODES = ("off", "on", "auto")
 LEVELS = (1, 2)

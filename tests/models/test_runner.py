@@ -15,9 +15,9 @@ from models.loader import ModelConfig, load_model
 from models.runner import ModelRunner, RunnerConfig
 from models.transfer import TransferCounter
 from scheduler.offline import run_offline
-from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
+from speculation.policy import SpecConfig
 from tests.support.tensors import packed_forward, read_kv, slot_table
 
 PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G", "for i in range(10):\n"]
@@ -246,7 +246,7 @@ def test_the_policy_is_told_each_rows_host_draft_before_the_step(tiny_llama_dir)
 def test_the_step_makes_the_next_host_draft_and_the_policy_only_reads_it(tiny_llama_dir, monkeypatch):
     """Host drafts are made once a step, at the end of the step before (the step thread), and
     carried on the request: the policy's lengths and the next step's drafts propose nothing."""
-    from models.proposers import NgramProposer
+    from speculation.proposers import NgramProposer
 
     runner = make_runner(tiny_llama_dir)
     copying = running("copy", [7, 8, 9, 10, 11, 12, 13, 7, 8, 9, 10, 11, 12, 13, 7, 8], 0)

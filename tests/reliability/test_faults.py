@@ -17,9 +17,9 @@ from models.builder import ProposerConfig, build_runner
 from models.loader import ModelConfig, load_model
 from models.runner import RunnerConfig
 from scheduler.offline import run_offline
-from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import FinishReason, Request, SamplingParams
+from speculation.policy import SpecConfig
 from tests.reliability.rel_harness import CYCLE_NAME, leaked_bookkeeping, sse_events, stream_text
 from tests.support.cycle import CYCLE_TEXT
 
@@ -186,7 +186,7 @@ def test_unattributed_step_failure_fails_only_the_culprit(target, tally):
 def test_draft_model_failure_falls_back_to_plain_decoding(target, tiny_llama_dir, monkeypatch, tally, fail_every):
     """The draft is the target itself (every draft accepted when it works); its forward fails
     mid-draft. Greedy output equals plain decoding token for token and no request fails."""
-    import models.draft_model as draft_model
+    import speculation.draft_model as draft_model
 
     runner = build_runner(
         target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig("draft_model", str(tiny_llama_dir))
@@ -218,7 +218,7 @@ def test_draft_model_failure_falls_back_to_plain_decoding(target, tiny_llama_dir
 
 def test_failed_drafts_leave_sampled_output_as_plain(target, tiny_llama_dir, monkeypatch, tally):
     """With every draft failing, a seeded sampled request emits exactly what plain decoding emits."""
-    import models.draft_model as draft_model
+    import speculation.draft_model as draft_model
 
     runner = build_runner(
         target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig("draft_model", str(tiny_llama_dir))

@@ -13,9 +13,9 @@ from models.loader import ModelConfig, load_model
 from models.runner import RunnerConfig
 from scheduler.engine import AsyncEngine, EngineDeadError
 from scheduler.offline import collect, run_offline
-from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import FinishReason, Request, SamplingParams
+from speculation.policy import SpecConfig
 
 PROMPTS = ["Hello world", "def add(a, b):", "The quick brown fox", "for i in range(10):\n"]
 

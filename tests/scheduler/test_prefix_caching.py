@@ -12,9 +12,9 @@ from models.loader import ModelConfig, load_model
 from models.runner import RunnerConfig
 from scheduler.engine import AsyncEngine
 from scheduler.offline import Completion, collect
-from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
+from speculation.policy import SpecConfig
 
 BLOCK = 8
 SYSTEM = "You are a careful assistant. Answer in one short line, and repeat the question first. " * 2

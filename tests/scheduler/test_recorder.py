@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.policy import SpecConfig
 from scheduler.recorder import StepRecorder
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.types import (
@@ -18,6 +17,7 @@ from scheduler.types import (
     StepOutput,
     StepStats,
 )
+from speculation.policy import SpecConfig
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.policy import SpecConfig
 from scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from scheduler.types import (
     Batch,
@@ -15,6 +14,7 @@ from scheduler.types import (
     SamplingParams,
     StepOutput,
 )
+from speculation.policy import SpecConfig
 
 EOS = 99
 

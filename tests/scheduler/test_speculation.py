@@ -9,9 +9,9 @@ from models.builder import ProposerConfig, build_runner
 from models.loader import ModelConfig, load_model
 from models.runner import RunnerConfig
 from scheduler.offline import run_offline
-from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
+from speculation.policy import SpecConfig
 from tests.support.stats import same_token_distribution_p_value
 
 PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G", "for i in range(10):\n"]

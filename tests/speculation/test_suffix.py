@@ -8,9 +8,9 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from models.suffix import SuffixCache, SuffixConfig, SuffixProposer
-from models.suffix_tree import TOKEN_SPACE, Matcher, SuffixTree
 from scheduler.types import FinishReason, Request, RequestStatus, SamplingParams
+from speculation.suffix import SuffixCache, SuffixConfig, SuffixProposer
+from speculation.suffix_tree import TOKEN_SPACE, Matcher, SuffixTree
 
 
 def substring_counts(seqs: list[list[int]], depth: int) -> Counter:

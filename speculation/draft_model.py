@@ -3,18 +3,18 @@
 Its catch-up forward feeds every token the target accepted since the model's
 last step, from the first position its KV lacks; its KV length then follows
 what the target kept (`verified`), so rejected drafts never stay in its
-context. The plan and the K-forward loop are `models.device_draft`'s.
+context. The plan and the K-forward loop are `speculation.device_draft`'s.
 """
 
 from __future__ import annotations
 
 import torch
 
-from models.device_draft import DeviceDraft, DeviceProposer, DraftPlan
 from models.forward import forward_step
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, StepLayout
 from models.loader import LoadedModel
 from scheduler.types import Request
+from speculation.device_draft import DeviceDraft, DeviceProposer, DraftPlan
 
 __all__ = ["DeviceDraft", "DraftModelProposer", "DraftPlan"]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 
-from models.device_draft import DeviceProposer
-from models.proposers import Draft, NgramProposer, PredictionProposer, Proposer, TokensAfter
 from scheduler.types import MAX_SPEC_TOKENS, HostDraft, Request, RowOutput, ScheduledRow
+from speculation.device_draft import DeviceProposer
+from speculation.proposers import Draft, NgramProposer, PredictionProposer, Proposer, TokensAfter
 
 logger = logging.getLogger("specd.models")
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from models.proposers import Draft
-from models.suffix_tree import Cursor, Matcher, Sequence, SuffixTree
 from scheduler.types import FinishReason, Request
+from speculation.proposers import Draft
+from speculation.suffix_tree import Cursor, Matcher, Sequence, SuffixTree
 
 
 @dataclass

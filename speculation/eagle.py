@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-from models.device_draft import DeviceDraft, DeviceProposer, DraftPlan
 from models.eagle_head import EagleHead, HeadConfig
 from models.forward import laid_out
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, StepLayout
 from models.transfer import DeviceArrays
 from scheduler.types import Request
+from speculation.device_draft import DeviceDraft, DeviceProposer, DraftPlan
 
 
 class EagleProposer(DeviceProposer):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.cost_model import StepCostModel, StepShape
-from scheduler.policy import GainCalibration, SpecConfig, SpecPolicy
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.types import Batch, Request, RowOutput, SamplingParams, StepOutput
+from speculation.cost_model import StepCostModel, StepShape
+from speculation.policy import GainCalibration, SpecConfig, SpecPolicy
 
 
 def req(rid: str, **params) -> Request:
@@ -474,7 +474,7 @@ def test_a_policy_fault_runs_the_step_plain_instead_of_stopping_the_engine():
 
 def test_the_plans_are_checked_against_what_they_realised():
     """The ratio of accepted drafts to expected ones, over steps that speculated (reported, clipped to [0.5, 2])."""
-    from scheduler.policy import TokenCalibration
+    from speculation.policy import TokenCalibration
 
     calibration = TokenCalibration()
     assert calibration.scale == 1.0  # no evidence yet
@@ -521,7 +521,7 @@ def test_the_edge_a_verify_step_needs_is_its_recent_shortfall_not_the_steps_scat
     error is large, but plans that deliver what they predicted need only the
     floor; plans whose verifies emit a sixth fewer tokens than expected need
     that much more edge."""
-    from scheduler.policy import MAX_EDGE, MIN_EDGE, StepPlan
+    from speculation.policy import MAX_EDGE, MIN_EDGE, StepPlan
 
     fn = linear(0.05, 0.002, 0.01)
     policy = SpecPolicy(SpecConfig(num_speculative_tokens=4), "ngram", cost=trained(fn))

@@ -27,7 +27,7 @@ Rule (documented in docs/speculation.md):
   row's luck to a creative row beside it.
 * The price of a draft token is what it adds to *this* step's time, from a
   model of the step learned online on the running machine
-  (`scheduler.cost_model`): what a draft's tokens add to the step's time at
+  (`speculation.cost_model`): what a draft's tokens add to the step's time at
   this step's size, plus a draft model's forward per position drafted.
   Candidate draft positions of all auto rows are ranked by decreasing g;
   each prefix of that ranking is a plan whose rate is its expected tokens
@@ -89,8 +89,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.types import MAX_SPEC_TOKENS, Request
+from speculation.cost_model import StepCostModel, StepShape
 
 MODEL_FREE_PROPOSERS = ("ngram", "prediction", "suffix")
 # Proposers that draft with forwards on the device: each draft position costs one more forward.

@@ -1,5 +1,5 @@
 """Draft proposers: n-gram prompt lookup, Predicted Outputs, and a draft model
-(suffix decoding is in `models.suffix`).
+(suffix decoding is in `speculation.suffix`).
 
 All speak one small interface: given the rows that speculate this step and
 how many tokens each may draft, return a `Draft` per row (possibly shorter,

@@ -1,4 +1,4 @@
-"""models.rejection: greedy tables, then the output distribution tested against the target's.
+"""speculation.rejection: greedy tables, then the output distribution tested against the target's.
 
 Statistical checks use scipy's chi-square goodness of fit with fixed seeds, so
 they are deterministic; a check fails when its p-value is below
@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from scipy import stats
 
-from models.rejection import rejection_sample
 from models.sampling import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -25,6 +24,7 @@ from models.sampling import (
     uniform_noise,
 )
 from scheduler.types import SamplingParams
+from speculation.rejection import rejection_sample
 from tests.support.tensors import sampling_tensors
 
 P_VALUE_FLOOR = 1e-3
@@ -289,7 +289,7 @@ def test_harness_rejects_q_processed_differently_from_the_draw():
 
 
 def test_greedy_verify_equals_rejection_sample_on_one_hot_rows():
-    from models.rejection import greedy_verify
+    from speculation.rejection import greedy_verify
 
     g = torch.Generator().manual_seed(3)
     rows, k, vocab = 64, 4, 6  # a small vocabulary: drafts often match

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from scheduler.cost_model import StepCostModel, StepShape
+from speculation.cost_model import StepCostModel, StepShape
 
 
 def truth(s: StepShape) -> float:

@@ -12,7 +12,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models.builder import ProposerConfig, build_runner
-from models.eagle import EagleProposer
 from models.eagle_head import HeadMismatch, held_out_rates, load_head
 from models.linear_kernels import (
     PADDED,
@@ -29,10 +28,11 @@ from models.runner import ModelRunner, RunnerConfig
 from models.transfer import HostBuffer
 from scheduler.engine import AsyncEngine
 from scheduler.offline import run_offline
-from scheduler.policy import SpecConfig
 from scheduler.scheduler import SchedulerConfig, step_shape
 from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
 from server.protocol import SpeculationInfo
+from speculation.eagle import EagleProposer
+from speculation.policy import SpecConfig
 from tests.support.cycle import build_cycle_head, cycle_ids
 from tests.support.stats import same_token_distribution_p_value
 from tests.support.tensors import slot_table

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from models.proposers import NgramIndex, NgramProposer, PredictionIndex, PredictionProposer, find_ngram_continuation
 from scheduler.types import Request, SamplingParams
+from speculation.proposers import (
+    NgramIndex,
+    NgramProposer,
+    PredictionIndex,
+    PredictionProposer,
+    find_ngram_continuation,
+)
 
 
 def test_longest_ngram_wins_and_earliest_occurrence_is_copied():
