@@ -13,7 +13,7 @@ from models.runner import RunnerConfig
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
-from speculation.policy import SpecConfig
+from speculation.config import SpecConfig
 
 
 @dataclass

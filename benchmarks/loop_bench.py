@@ -47,10 +47,10 @@ from models.builder import ProposerConfig, build_runner
 from models.loader import LoadedModel
 from models.runner import ModelRunner, RunnerConfig
 from scheduler.offline import run_offline
-from scheduler.scheduler import SchedulerConfig, step_shape
+from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Batch, Request, SamplingParams, StepOutput
-from speculation.cost_model import StepCostModel, StepShape
-from speculation.policy import SpecConfig
+from speculation.config import SpecConfig
+from speculation.cost_model import StepCostModel, StepShape, step_shape
 
 MODES: dict[str, Literal["auto", True, False]] = {"off": False, "on": True, "auto": "auto"}
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -33,25 +33,13 @@ from models.eagle_head import held_out_rates
 from models.forward import forward_step, forward_with_hidden
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, LayoutPlan
 from models.loader import LoadedModel
-from models.sampling import (
-    STREAM_ACCEPT,
-    STREAM_SAMPLE,
-    SamplingTensors,
-    argmax,
-    compute_logprobs,
-    greedy_ids,
-    plan_penalty_counts,
-    process_logits,
-    resolve_penalty_counts,
-    sample_from_probs,
-    uniform_noise,
-)
-from models.transfer import DeviceArrays, HostBuffer, download
+from models.sampling import SamplingTensors, plan_penalty_counts
+from models.step_sampling import PreparedStep, sample_step
+from models.transfer import DeviceArrays
 from scheduler.types import Batch, Request, RowOutput, ScheduledRow, StepOutput
-from speculation.device_draft import DeviceDraft, DeviceProposer, DraftPlan
+from speculation.device_draft import DeviceDraft, DeviceProposer
 from speculation.host_drafts import HostDrafts
-from speculation.proposers import Draft, NgramProposer, Proposer
-from speculation.rejection import greedy_verify, rejection_sample
+from speculation.proposers import Drafting, NgramProposer, Proposer
 from speculation.suffix import SuffixProposer
 
 logger = logging.getLogger("specd.models")
@@ -89,38 +77,6 @@ class RunnerConfig:
             raise ValueError("kv_cache_memory must be > 0")
 
 
-@dataclass
-class StepPlan:
-    """Host side of one step: what each row feeds and drafts, and the upload."""
-
-    rows: list[ScheduledRow]
-    host_drafts: list[Draft | None]  # model-free drafts, per row
-    num_draft: list[int]  # per row, host or device drafts
-    methods: list[str | None]  # proposer that drafted for each row
-    draft: DraftPlan | None  # the device proposer's forwards, for `draft_rows`
-    draft_rows: list[int]
-    layout: LayoutPlan
-    sample_rows: list[int]
-    shadows: dict[int, list[int]] = field(default_factory=dict)  # row -> unverified draft
-    # Rows the device proposer drafts one unverified token for (`ScheduledRow.probe`): its
-    # plan's rows after `draft_rows`; their tokens, on the device once it ran.
-    probe_rows: list[int] = field(default_factory=list)
-    probe_ids: torch.Tensor | None = None  # [P]
-    probe_q: torch.Tensor | None = None  # [P, V] q, when a probed row samples
-    # [P] min(1, p(x) / q(x)): the chance the rejection sampler would accept each probe's
-    # token, computed where any row samples (greedy rows: 1 or 0, as equality says).
-    probe_accept: torch.Tensor | None = None
-    buf: HostBuffer = field(default_factory=HostBuffer)
-
-    @property
-    def n_max(self) -> int:
-        return max((self.num_draft[i] for i in self.sample_rows), default=0) + 1
-
-    @property
-    def any_draft(self) -> bool:
-        return any(self.num_draft)
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -133,8 +89,11 @@ class ModelRunner:
         (`ScheduledRow.use_lookup`) and the shadow drafts that teach the policy when to."""
         self.target = target
         self.config = config
-        self.lookup = lookup if isinstance(proposer, DeviceProposer) else None
-        self.host = HostDrafts(proposer, self.lookup)
+        self.device_proposer: DeviceProposer | None = None  # the proposer, where it drafts on the device
+        self.host = HostDrafts(None, None)
+        self.proposer = proposer
+        self.lookup = lookup if self.device_proposer is not None else None
+        self.host.lookup = self.lookup
         self.device = target.device
         self.vocab_size = target.vocab_size
         target.model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -157,32 +116,26 @@ class ModelRunner:
     @proposer.setter
     def proposer(self, proposer: Proposer | DeviceProposer | None) -> None:  # one proposer for both sides
         self.host.proposer = proposer
+        on_device = proposer is not None and proposer.capabilities.on_device
+        self.device_proposer = cast(DeviceProposer, proposer) if on_device else None
+        # The proposer that remembers finished outputs (suffix decoding), whose size is a metric.
+        self.suffix = cast(SuffixProposer, proposer) if proposer is not None and proposer.capabilities.memory else None
 
     @property
-    def proposer_name(self) -> str:
-        return self.proposer.method if self.proposer else "none"
-
-    @property
-    def draft_head(self) -> dict | None:
-        """The EAGLE head being served (path, draft vocabulary, training record), else None."""
-        info = getattr(self.proposer, "info", None)
-        return info() if info is not None else None
-
-    @property
-    def acceptance_prior(self) -> tuple[float, ...]:
-        """Per draft position, the acceptance the proposer measured for itself (an EAGLE
-        head's held-out record), for the policy to start its rows from; empty: none."""
-        head = self.draft_head
-        return held_out_rates(head.get("training")) if head else ()
-
-    @property
-    def lookup_drafts(self) -> Callable[[list[Request], list[int]], list[int]] | None:
-        """For the policy: the lengths of the prompt-lookup drafts rows have now; None without lookup."""
-        return self.host.lookup_lengths if self.lookup is not None else None
-
-    def host_draft_lengths(self, requests: list[Request], num_tokens: list[int]) -> list[int]:
-        """For the policy: each row's host-draft length now (`HostDrafts.lengths`)."""
-        return self.host.lengths(requests, num_tokens)
+    def drafting(self) -> Drafting:
+        """The proposer and what the policy may ask of it while it plans a step."""
+        proposer = self.proposer
+        if proposer is None:
+            return Drafting()
+        head = self.device_proposer.info() if self.device_proposer is not None else None
+        return Drafting(
+            method=proposer.method,
+            prior_rates=held_out_rates(head.get("training")) if head else (),
+            preview=self.preview_drafts if proposer.capabilities.priced else None,
+            lookup=self.host.lookup_lengths if self.lookup is not None else None,
+            available=self.host.lengths,
+            head=head,
+        )
 
     def free(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -200,48 +153,49 @@ class ModelRunner:
         plan, arrays, device_draft = self._prepare_and_draft(rows)
         clock.lap("draft" if plan.any_draft or plan.probe_rows else None)
         logits = self._forward(plan, arrays, device_draft)
-        outputs = self._sample(plan, arrays, logits, device_draft) if plan.sample_rows else {}
+        outputs = sample_step(plan, arrays, logits, device_draft, self.device_proposer) if plan.sample_rows else {}
         clock.lap(_forward_phase(plan))
         self.host.make_next([(plan.rows[i].request, outputs.get(plan.rows[i].request_id)) for i in plan.sample_rows])
         output = self._step_output(plan, outputs, clock.phases)
-        if isinstance(self.proposer, SuffixProposer):
-            output.suffix_cache_nodes = self.proposer.num_cache_nodes
+        if self.suffix is not None:
+            output.suffix_cache_nodes = self.suffix.num_cache_nodes
         return output
 
     def preview_drafts(self, requests: list[Request], num_tokens: list[int]) -> list[list[float]]:
         """Per-token probabilities of the drafts the proposer would make now, for the policy to
         price (proposers that give them); the proposer keeps each draft for the step that follows."""
-        if not isinstance(self.proposer, SuffixProposer):
+        if self.suffix is None:
             return [[] for _ in requests]
         try:
-            drafts = self.proposer.propose(requests, num_tokens)
+            drafts = self.suffix.propose(requests, num_tokens)
         except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
             logger.exception("suffix proposer failed while the step was planned; these rows plan no draft")
             return [[] for _ in requests]
         return [draft.token_probs or [] for draft in drafts]
 
-    def _prepare_and_draft(self, rows: list[ScheduledRow]) -> tuple[StepPlan, DeviceArrays, DeviceDraft | None]:
+    def _prepare_and_draft(self, rows: list[ScheduledRow]) -> tuple[PreparedStep, DeviceArrays, DeviceDraft | None]:
         """Host drafts and the one upload, then a device proposer's drafts (if any).
         A failing draft model or head costs this step its drafts, never a request."""
         plan = self._prepare(rows)
         arrays = plan.buf.upload(self.device)
         if plan.draft is None:
             return plan, arrays, None
-        assert isinstance(self.proposer, DeviceProposer)
+        proposer = self.device_proposer
+        assert proposer is not None
         try:
-            drafted = self.proposer.run(plan.draft, arrays)
+            drafted = proposer.run(plan.draft, arrays)
             num_verify = len(plan.draft_rows)
             if plan.probe_rows:
                 plan.probe_ids = drafted.token_ids[num_verify:, 0]
                 plan.probe_q = None if drafted.probs is None else drafted.probs[num_verify:, 0]
             return plan, arrays, drafted.first(num_verify) if num_verify else None
         except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
-            logger.exception("%s proposer failed; these rows decode plainly this step", self.proposer.method)
+            logger.exception("%s proposer failed; these rows decode plainly this step", proposer.method)
             plan = self._prepare(rows, device_drafting=False)
             return plan, plan.buf.upload(self.device), None
 
     @staticmethod
-    def _step_output(plan: StepPlan, outputs: dict[str, RowOutput], phases: dict[str, float]) -> StepOutput:
+    def _step_output(plan: PreparedStep, outputs: dict[str, RowOutput], phases: dict[str, float]) -> StepOutput:
         accepted_per_position = [0] * max(plan.num_draft)
         for out in outputs.values():
             for j in range(out.num_accepted_tokens):
@@ -253,19 +207,20 @@ class ModelRunner:
         )
 
     # -- prepare: host-side drafting and the step's one upload --
-    def _prepare(self, rows: list[ScheduledRow], device_drafting: bool = True) -> StepPlan:
+    def _prepare(self, rows: list[ScheduledRow], device_drafting: bool = True) -> PreparedStep:
         host_drafts, draft_rows = self.host.for_step(rows, device_drafting)
         num_draft = [len(d.token_ids) if d else 0 for d in host_drafts]
         methods = [d.method if d else None for d in host_drafts]
+        proposer = self.device_proposer if device_drafting else None
         for i in draft_rows:
-            assert isinstance(self.proposer, DeviceProposer)
+            assert proposer is not None
             num_draft[i] = rows[i].num_spec_tokens
-            methods[i] = self.proposer.method
+            methods[i] = proposer.method
         lens = [len(row.token_ids) + k for row, k in zip(rows, num_draft)]
         probe_rows = []
-        if isinstance(self.proposer, DeviceProposer) and device_drafting:
+        if proposer is not None:
             probe_rows = [i for i, row in enumerate(rows) if row.probe and row.sample and not num_draft[i]]
-        plan = StepPlan(
+        plan = PreparedStep(
             rows=rows,
             host_drafts=host_drafts,
             num_draft=num_draft,
@@ -281,15 +236,15 @@ class ModelRunner:
         )
         buf = plan.buf
         if draft_rows or probe_rows:
-            assert isinstance(self.proposer, DeviceProposer)
+            assert proposer is not None
             try:  # probes ride in the same forwards, after the rows that verify
-                plan.draft = self.proposer.plan(
+                plan.draft = proposer.plan(
                     [rows[i].request for i in draft_rows + probe_rows],
                     [num_draft[i] for i in draft_rows] + [1] * len(probe_rows),
                     buf,
                 )
             except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
-                logger.exception("%s proposer failed; these rows decode plainly this step", self.proposer.method)
+                logger.exception("%s proposer failed; these rows decode plainly this step", proposer.method)
                 return self._prepare(rows, device_drafting=False)
         plan.layout.add_to(buf, "layout")
 
@@ -319,7 +274,7 @@ class ModelRunner:
             self._plan_sampling(plan)
         return plan
 
-    def _plan_sampling(self, plan: StepPlan) -> None:
+    def _plan_sampling(self, plan: PreparedStep) -> None:
         buf, rows, n_max = plan.buf, plan.rows, plan.n_max
         requests = [rows[i].request for i in plan.sample_rows]
         position = {row: r for r, row in enumerate(plan.sample_rows)}  # step row -> sampling row
@@ -347,15 +302,15 @@ class ModelRunner:
             buf.ints("nan_rows", nan_rows)
 
     # -- forward --
-    def _forward(self, plan: StepPlan, arrays: DeviceArrays, device_draft: DeviceDraft | None) -> torch.Tensor:
+    def _forward(self, plan: PreparedStep, arrays: DeviceArrays, device_draft: DeviceDraft | None) -> torch.Tensor:
         input_ids = arrays["input_ids"]
         if device_draft is not None:
             input_ids = input_ids.clone()
             input_ids[arrays["fill_pos"]] = device_draft.token_ids.reshape(-1)[arrays["fill_src"]]
         layout = plan.layout.resolve(arrays, "layout")
-        proposer = self.proposer if isinstance(self.proposer, DeviceProposer) else None
+        proposer = self.device_proposer
         if proposer is None or proposer.features is None:
-            # [len(keep), V] in the model's dtype: `_sample` converts where it samples.
+            # [len(keep), V] in the model's dtype: `sample_step` converts where it samples.
             return forward_step(self.target.model, self.cache, layout, input_ids, arrays["keep"], float_logits=False)
         # Every token's features, at its KV row: positions < num_computed_tokens then always hold
         # accepted tokens' (drafts the verify rejects are overwritten later, like their KV).
@@ -364,135 +319,6 @@ class ModelRunner:
         )
         proposer.store_features(layout.token_dest, hidden)
         return logits
-
-    # -- sample / verify --
-    def _sample(
-        self, plan: StepPlan, arrays: DeviceArrays, logits: torch.Tensor, device_draft: DeviceDraft | None
-    ) -> dict[str, RowOutput]:
-        rows, n_max, vocab = plan.rows, plan.n_max, logits.shape[-1]
-        requests = [rows[i].request for i in plan.sample_rows]
-        num_rows, device = len(requests), logits.device
-        st = SamplingTensors.resolve([r.params for r in requests], vocab, arrays, "s")
-        want_logprobs = any(r.params.logprobs is not None for r in requests)
-        argmax_only = st.all_greedy and not (st.has_penalties or st.has_logit_bias or want_logprobs)
-        if n_max > 1 and argmax_only and "nan_rows" not in arrays:
-            return self._verify_greedy_packed(plan, arrays, logits, device_draft)
-        if not argmax_only:  # probabilities, penalties and logprobs are computed in float32
-            logits = logits.float()
-        if n_max == 1:
-            grid = logits[:, None, :]  # [rows, 1, V]
-        else:
-            grid = logits.new_zeros(num_rows * n_max, vocab)
-            grid[arrays["grid_index"]] = logits
-            grid = grid.view(num_rows, n_max, vocab)
-        if "nan_rows" in arrays:
-            grid[arrays["nan_rows"]] = float("nan")
-        output_counts = prompt_mask = None
-        if st.has_penalties:
-            output_counts, prompt_mask = resolve_penalty_counts(num_rows, vocab, arrays, "counts")
-        num_draft = arrays["num_draft"]
-        draft_ids = self._draft_ids(arrays, num_rows, n_max, device_draft) if n_max > 1 else None
-        if st.all_greedy:  # p and q are one-hot: compare argmaxes, no probabilities
-            target_ids = greedy_ids(grid, st, output_counts, prompt_mask, draft_ids)  # [rows, n_max]
-            if n_max == 1:
-                num_accepted, token_ids = torch.zeros(num_rows, dtype=torch.long, device=device), target_ids
-            else:
-                assert draft_ids is not None
-                num_accepted, token_ids = greedy_verify(draft_ids, num_draft, target_ids)
-        else:
-            probs = process_logits(grid, st, output_counts, prompt_mask, draft_ids)  # [rows, n_max, vocab]
-            if plan.probe_ids is not None:
-                plan.probe_accept = _probe_accept(plan, probs, arrays["probe_sample_rows"])
-            positions = arrays["out_len"][:, None] + torch.arange(n_max, device=device)  # [rows, n_max]
-            u_sample = uniform_noise(st.seeds, positions, STREAM_SAMPLE)
-            if n_max == 1:
-                num_accepted = torch.zeros(num_rows, dtype=torch.long, device=device)
-                token_ids = sample_from_probs(probs, u_sample)  # [rows, 1]
-            else:
-                u_accept = uniform_noise(st.seeds, positions[:, :-1], STREAM_ACCEPT)
-                assert draft_ids is not None
-                q = self._draft_probs(arrays, draft_ids, num_draft, device_draft, vocab)
-                num_accepted, token_ids = rejection_sample(draft_ids, num_draft, q, probs, u_accept, u_sample)
-        finite = all_finite(grid.flatten(1))
-        results = [torch.cat([finite[:, None].long(), num_accepted[:, None], token_ids], dim=1)]
-        top_n = max((r.params.logprobs or 0 for r in requests), default=0)
-        if want_logprobs:
-            # Log-probabilities of the raw target distribution at every grid position; the host keeps the emitted ones.
-            results += compute_logprobs(grid, token_ids, top_n)  # chosen, top ids, top logprobs
-        host = download(*results, *_probe_results(plan))
-        return self._outputs(plan, host, want_logprobs)
-
-    def _verify_greedy_packed(
-        self, plan: StepPlan, arrays: DeviceArrays, logits: torch.Tensor, device_draft: DeviceDraft | None
-    ) -> dict[str, RowOutput]:
-        """Greedy verify straight from the packed logits `[kept, V]`: no `[rows, n_max, V]`
-        grid, so one long draft does not make every row's sampling n_max times larger."""
-        num_rows, n_max, device = len(plan.sample_rows), plan.n_max, logits.device
-        target_ids = torch.zeros(num_rows * n_max, dtype=torch.long, device=device)
-        target_ids.index_copy_(0, arrays["grid_index"], argmax(logits))
-        draft_ids = self._draft_ids(arrays, num_rows, n_max, device_draft)
-        num_accepted, token_ids = greedy_verify(draft_ids, arrays["num_draft"], target_ids.view(num_rows, n_max))
-        finite = torch.ones(num_rows, dtype=torch.long, device=device)
-        finite.scatter_reduce_(0, arrays["grid_row"], all_finite(logits).long(), reduce="amin")
-        host = download(torch.cat([finite[:, None], num_accepted[:, None], token_ids], dim=1), *_probe_results(plan))
-        return self._outputs(plan, host, want_logprobs=False)
-
-    @staticmethod
-    def _draft_ids(arrays: DeviceArrays, num_rows: int, n_max: int, device_draft: DeviceDraft | None) -> torch.Tensor:
-        """[rows, n_max - 1] drafts: the host ones as uploaded, a device proposer's from the device."""
-        draft_ids = arrays["draft_grid"].view(num_rows, n_max - 1)
-        if device_draft is not None:
-            draft_ids = draft_ids.clone()
-            k = device_draft.token_ids.shape[1]
-            draft_ids[arrays["draft_sample_rows"], :k] = device_draft.token_ids
-        return draft_ids
-
-    def _draft_probs(
-        self, arrays, draft_ids, num_draft, device_draft: DeviceDraft | None, vocab: int
-    ) -> torch.Tensor | None:
-        """q for the rejection sampler: None when every draft is one-hot (model-free or greedy)."""
-        if device_draft is None or device_draft.probs is None:
-            return None
-        k_all = draft_ids.shape[1]
-        valid = torch.arange(k_all, device=draft_ids.device) < num_draft[:, None]  # [rows, k]
-        q = torch.nn.functional.one_hot(draft_ids, vocab).to(device_draft.probs.dtype) * valid[..., None]
-        q[arrays["draft_sample_rows"], : device_draft.probs.shape[1]] = device_draft.probs
-        return q
-
-    def _outputs(self, plan: StepPlan, host: list[list], want_logprobs: bool) -> dict[str, RowOutput]:
-        outputs: dict[str, RowOutput] = {}
-        main = host[0]
-        if want_logprobs:
-            chosen, top_ids, top_lp = host[1:4]
-        probes: dict[int, int] = {}
-        accepts: dict[int, float] = {}
-        if plan.probe_ids is not None:
-            if plan.probe_accept is not None:
-                accepts = dict(zip(plan.probe_rows, host[-1]))
-            probes = dict(zip(plan.probe_rows, host[-1 - (plan.probe_accept is not None)]))
-        for r, i in enumerate(plan.sample_rows):
-            row = plan.rows[i]
-            is_finite, n_acc, *ids = main[r]
-            out = outputs[row.request_id] = RowOutput(row.request_id)
-            if not is_finite:
-                out.error = "the model produced non-finite logits for this request"
-                continue
-            out.token_ids = ids[: n_acc + 1]
-            out.shadow_ids = plan.shadows.get(i)
-            out.probe_id = probes.get(i)
-            out.probe_accept = accepts.get(i)
-            if plan.num_draft[i]:
-                out.method = plan.methods[i]
-                out.num_draft_tokens = plan.num_draft[i]
-                out.num_accepted_tokens = n_acc
-                if isinstance(self.proposer, DeviceProposer) and out.method == self.proposer.method:
-                    self.proposer.verified(row.request_id, row.start_pos + len(row.token_ids) + n_acc)
-            want = row.request.params.logprobs
-            if want is not None:
-                n = n_acc + 1
-                out.logprobs = chosen[r][:n]
-                out.top_logprobs = [list(zip(top_ids[r][j][:want], top_lp[r][j][:want])) for j in range(n)]
-        return outputs
 
     def _maybe_inject_fault(self, row: ScheduledRow, kind: str) -> bool:
         if not self.config.enable_fault_injection or row.request.params.fault != kind:
@@ -516,34 +342,7 @@ class _PhaseClock:
         self._last = now
 
 
-def _probe_results(plan: StepPlan) -> list[torch.Tensor]:
-    """The probes' draft tokens (and their acceptance chances, if computed), to ride in the
-    step's one download; none without probes."""
-    if plan.probe_ids is None:
-        return []
-    return [plan.probe_ids] if plan.probe_accept is None else [plan.probe_ids, plan.probe_accept]
-
-
-def _probe_accept(plan: StepPlan, probs: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
-    """min(1, p(x) / q(x)) per probe: x its token, p the target's processed distribution at the
-    row's next position, q the proposer's (one-hot for a greedy row, so equality)."""
-    assert plan.probe_ids is not None
-    x = plan.probe_ids[:, None]
-    p = probs[sample_rows, 0].gather(1, x)[:, 0]
-    if plan.probe_q is None:
-        return p.clamp(max=1.0)
-    q = plan.probe_q.gather(1, x)[:, 0]
-    return (p / q.clamp(min=1e-30)).clamp(max=1.0)
-
-
-def all_finite(logits: torch.Tensor) -> torch.Tensor:
-    """[R, V] -> [R] bool: no NaN or infinity in the row. A row's sum is finite exactly when its
-    values are (a NaN or an infinity carries through; logits are nowhere near overflowing a
-    float32 sum), and one reduction is ~15x cheaper than `isfinite(x).all()` on 49k columns."""
-    return torch.isfinite(logits.sum(dim=-1))
-
-
-def _forward_phase(plan: StepPlan) -> str:
+def _forward_phase(plan: PreparedStep) -> str:
     if any(row.request.is_prefilling for row in plan.rows):
         return "prefill"
     return "verify" if plan.any_draft else "decode"

@@ -25,6 +25,7 @@ from scheduler.recorder import StepRecorder
 from scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from scheduler.stream import RequestStream
 from scheduler.types import Batch, FinishReason, Request, RequestOutput, StepOutput, StepStats
+from speculation.proposers import Drafting
 
 logger = logging.getLogger("specd.engine")
 
@@ -36,10 +37,11 @@ class EngineDeadError(RuntimeError):
 
 
 class Executor(Protocol):
-    """What the engine needs from `models`: run one batch."""
+    """What the engine needs from `models`: its drafting (what the policy may ask while it
+    plans) and a step."""
 
     @property
-    def proposer_name(self) -> str: ...
+    def drafting(self) -> Drafting: ...
 
     def execute(self, batch: Batch) -> StepOutput: ...
 
@@ -69,21 +71,13 @@ class AsyncEngine:
         is told why, should the loop ever stop on a fault of its own. `kv_events` is
         handed what entered and left the prefix cache, once a step (KV-event publishing)."""
         self.executor = executor
+        drafting = executor.drafting
         # A proposer that measured its own acceptance (an EAGLE head's held-out record) is
         # where the policy starts its rows, unless the config says otherwise.
-        prior = tuple(getattr(executor, "acceptance_prior", ()))
-        if prior and not config.spec.prior_rates:
-            config = replace(config, spec=replace(config.spec, prior_rates=prior))
+        if drafting.prior_rates and not config.spec.prior_rates:
+            config = replace(config, spec=replace(config.spec, prior_rates=drafting.prior_rates))
         self.config = config
-        # A runner whose proposer prices its drafts lets the policy see them while it plans.
-        preview = getattr(executor, "preview_drafts", None)
-        # A runner that drafts by prompt lookup beside its draft model or head offers those drafts too.
-        lookup = getattr(executor, "lookup_drafts", None)
-        # A runner that drafts on the host (n-gram, Predicted Outputs) says what each row's draft holds.
-        available = getattr(executor, "host_draft_lengths", None)
-        self.scheduler = Scheduler(
-            config, proposer=executor.proposer_name, preview=preview, lookup=lookup, available=available
-        )
+        self.scheduler = Scheduler(config, drafting)
         self.recorder = StepRecorder(self.scheduler, observer)
         self._kv_events = kv_events
         if kv_events is not None:
@@ -164,7 +158,7 @@ class AsyncEngine:
         return {
             **self.scheduler.speculation_settings(),
             # An EAGLE head's directory, draft vocabulary and training record (runners that serve one).
-            "draft_head": getattr(self.executor, "draft_head", None),
+            "draft_head": self.scheduler.drafting.head,
             "spec_enabled": self.recorder.last_step_speculated,
             **self.recorder.acceptance(),
             "requests_running": self.num_running,

@@ -150,7 +150,7 @@ class StepRecorder:
         now = (policy.num_probes, policy.num_probes_accepted)
         before, self._probes_reported = self._probes_reported, now
         graded, accepted = now[0] - before[0], now[1] - before[1]
-        return {self.scheduler.proposer: (graded, accepted)} if graded else {}
+        return {self.scheduler.drafting.method: (graded, accepted)} if graded else {}
 
     def idle(self) -> None:
         """No step ran, but requests may have finished (aborts, failures)."""

@@ -35,8 +35,10 @@ from scheduler.types import (
     ScheduledRow,
     StepOutput,
 )
-from speculation.cost_model import StepShape
-from speculation.policy import DEVICE_PROPOSERS, DraftLengths, Preview, SpecConfig, SpecPolicy, StepPlan
+from speculation.config import SpecConfig
+from speculation.cost_model import StepShape, step_shape
+from speculation.policy import SpecPolicy, StepPlan
+from speculation.proposers import Drafting
 
 logger = logging.getLogger(__name__)
 
@@ -90,21 +92,11 @@ class StepCheck:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        proposer: str = "ngram",
-        preview: Preview | None = None,
-        lookup: DraftLengths | None = None,
-        available: DraftLengths | None = None,
-    ):
-        """`proposer`: the runner's proposer method ("ngram", "suffix", "draft_model", "eagle" or "none");
-        `preview`: the runner's priced drafts, for a proposer that gives them; `lookup`: the runner's
-        prompt-lookup drafts beside a device proposer, when it has them; `available`: the lengths of
-        the n-gram or Predicted Outputs drafts rows have now (see SpecPolicy)."""
+    def __init__(self, config: SchedulerConfig, drafting: Drafting | None = None):
+        """`drafting`: the runner's proposer and what the policy may ask it (default: n-gram, no questions)."""
         self.config = config
-        self.proposer = proposer
-        self.policy = SpecPolicy(config.spec, proposer, preview=preview, lookup=lookup, available=available)
+        self.drafting = drafting or Drafting("ngram")
+        self.policy = SpecPolicy(config.spec, self.drafting)
         self.last_plan: StepPlan | None = None
         self.last_check: StepCheck | None = None
         self.waiting: deque[Request] = deque()
@@ -193,7 +185,7 @@ class Scheduler:
         """The speculation settings in force, as GET /v1/speculation names them."""
         spec = self.config.spec
         return {
-            "proposer": self.proposer,
+            "proposer": self.drafting.method,
             "num_speculative_tokens": spec.num_speculative_tokens,
             "spec_disable_batch_size": spec.spec_disable_batch_size,
             "adaptive": spec.adaptive,
@@ -201,18 +193,7 @@ class Scheduler:
 
     def describe_speculation(self) -> str:
         """One line for the startup log."""
-        spec = self.config.spec
-        cap = spec.spec_disable_batch_size
-        if cap == 0:
-            auto = "never speculate (cap 0)"
-        else:
-            limit = f", while at most {cap} requests run" if cap is not None else " (no batch-size cap)"
-            auto = "decide per request from acceptance and the step's learned cost" + limit
-        lookup = f" (+ prompt lookup, up to {spec.lookup_tokens} tokens)" if self.policy.lookup else ""
-        return (
-            f"proposer={self.proposer}{lookup} num_speculative_tokens={spec.num_speculative_tokens} "
-            f"adaptive={spec.adaptive}; auto rows {auto}"
-        )
+        return self.config.spec.describe(self.drafting)
 
     def policy_summary(self) -> dict:
         """The policy's own view (cost model, calibration, recent acceptance)."""
@@ -509,20 +490,3 @@ class Scheduler:
             num_prediction_rejected=request.num_prediction_rejected,
             stop_token_id=stop_id,
         )
-
-
-def step_shape(batch: Batch, output: StepOutput) -> StepShape:
-    """What the step cost model prices of a step as it ran: the tokens the target computed
-    (drafts included), the keys they attended over, whether it verified, draft forwards
-    (one for probes alone), and the positions it computed logits for (a sampling row's last
-    token and drafts)."""
-    drafts = [out.num_draft_tokens for out in output.rows]
-    device_drafts = [out.num_draft_tokens for out in output.rows if out.method in DEVICE_PROPOSERS]
-    probed = any(out.probe_id is not None for out in output.rows)
-    return StepShape(
-        num_tokens=sum(len(row.token_ids) for row in batch.rows) + sum(drafts),
-        num_context=sum(row.start_pos + len(row.token_ids) + k for row, k in zip(batch.rows, drafts)),
-        is_spec=any(drafts),
-        num_draft_forwards=max(*device_drafts, int(probed), 0),
-        num_logits=sum(1 + k for row, k in zip(batch.rows, drafts) if row.sample),
-    )

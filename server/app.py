@@ -34,7 +34,7 @@ from server.playground import playground_router
 from server.routes import router
 from server.serving import ServingContext
 from server.traffic import TrafficLog
-from speculation.policy import SpecConfig
+from speculation.config import SpecConfig
 
 if TYPE_CHECKING:
     from models.loader import LoadedModel, ModelConfig
@@ -177,7 +177,7 @@ class AppState:
         cfg = components.scheduler_config
         self.metrics.set_cache_config(cfg.block_size, cfg.num_kv_blocks or 0)
         loaded = components.loaded
-        fingerprint = f"{VERSION}:{loaded.model_id}:{loaded.dtype}:{engine.executor.proposer_name}"
+        fingerprint = f"{VERSION}:{loaded.model_id}:{loaded.dtype}:{engine.scheduler.drafting.method}"
         self.serving = ServingContext(
             engine=engine,
             tokenizer=loaded.tokenizer,

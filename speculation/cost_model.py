@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from scheduler.types import Batch, StepOutput
+from speculation.proposers import CAPABILITIES
+
 # A knot at every token count up to 16: BLAS kernels switch at odd sizes (on an AVX2 CPU in
 # float32, with the tuned layouts, 9 tokens cost ~1.1x one token and 10 cost ~1.9x), and decode
 # and verify steps of a small batch live there. Then powers of two (24 between 16 and 32).
@@ -253,3 +256,20 @@ class StepCostModel:
             "ms_per_draft_forward": round(self.draft_forward_cost * 1e3, 3),
             "ms_per_logits_row": round(self.logits_cost * 1e3, 3),
         }
+
+
+def step_shape(batch: Batch, output: StepOutput) -> StepShape:
+    """What the step cost model prices of a step as it ran: the tokens the target computed
+    (drafts included), the keys they attended over, whether it verified, draft forwards
+    (one for probes alone), and the positions it computed logits for (a sampling row's last
+    token and drafts)."""
+    drafts = [out.num_draft_tokens for out in output.rows]
+    device_drafts = [out.num_draft_tokens for out in output.rows if out.method and CAPABILITIES[out.method].on_device]
+    probed = any(out.probe_id is not None for out in output.rows)
+    return StepShape(
+        num_tokens=sum(len(row.token_ids) for row in batch.rows) + sum(drafts),
+        num_context=sum(row.start_pos + len(row.token_ids) + k for row, k in zip(batch.rows, drafts)),
+        is_spec=any(drafts),
+        num_draft_forwards=max(*device_drafts, int(probed), 0),
+        num_logits=sum(1 + k for row, k in zip(batch.rows, drafts) if row.sample),
+    )

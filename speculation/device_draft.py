@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -34,6 +35,7 @@ from models.sampling import (
 )
 from models.transfer import DeviceArrays, HostBuffer
 from scheduler.types import Request
+from speculation.proposers import Capabilities
 
 
 @dataclass
@@ -74,6 +76,7 @@ class DeviceProposer(ABC):
     """
 
     method: str
+    capabilities: ClassVar[Capabilities]
     # [pool rows, H]: the target's features of every position, in the KV pool's layout,
     # stored by the runner after each target forward (`store_features`); None: not wanted.
     features: torch.Tensor | None = None
@@ -93,6 +96,10 @@ class DeviceProposer(ABC):
 
     def free(self, request_id: str) -> None:
         self._computed.pop(request_id, None)
+
+    def info(self) -> dict | None:
+        """What /v1/speculation shows of the proposer (an EAGLE head's record); None: nothing."""
+        return None
 
     def verified(self, request_id: str, num_valid: int) -> None:
         """The target kept positions < num_valid: later positions hold rejected drafts."""

@@ -8,6 +8,8 @@ context. The plan and the K-forward loop are `speculation.device_draft`'s.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from models.forward import forward_step
@@ -15,12 +17,14 @@ from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, StepLayout
 from models.loader import LoadedModel
 from scheduler.types import Request
 from speculation.device_draft import DeviceDraft, DeviceProposer, DraftPlan
+from speculation.proposers import CAPABILITIES, Capabilities
 
 __all__ = ["DeviceDraft", "DraftModelProposer", "DraftPlan"]
 
 
 class DraftModelProposer(DeviceProposer):
     method = "draft_model"
+    capabilities: ClassVar[Capabilities] = CAPABILITIES[method]
 
     def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int, vocab_size: int):
         super().__init__(vocab_size, block_size)

@@ -28,6 +28,7 @@ only draft quality (never output) can differ.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -37,10 +38,12 @@ from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, StepLayout
 from models.transfer import DeviceArrays
 from scheduler.types import Request
 from speculation.device_draft import DeviceDraft, DeviceProposer, DraftPlan
+from speculation.proposers import CAPABILITIES, Capabilities
 
 
 class EagleProposer(DeviceProposer):
     method = "eagle"
+    capabilities: ClassVar[Capabilities] = CAPABILITIES[method]
 
     def __init__(self, head: EagleHead, head_dir: Path, num_blocks: int, block_size: int, vocab_size: int):
         super().__init__(vocab_size, block_size)

@@ -10,6 +10,7 @@ so a draft is proposed once per step, never on the event loop in the common case
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 from scheduler.types import MAX_SPEC_TOKENS, HostDraft, Request, RowOutput, ScheduledRow
 from speculation.device_draft import DeviceProposer
@@ -34,13 +35,22 @@ class HostDrafts:
         if self.lookup:
             self.lookup.free(request_id)
 
+    @property
+    def drafts_ahead(self) -> bool:
+        """The runner's proposer makes its drafts on the host from the request alone (n-gram)."""
+        return self.proposer is not None and self.proposer.capabilities.drafts_ahead
+
+    @property
+    def on_device(self) -> bool:
+        return self.proposer is not None and self.proposer.capabilities.on_device
+
     def proposer_for(self, request: Request) -> NgramProposer | PredictionProposer | None:
-        """The model-free proposer a row drafts from: its prediction, else prompt lookup
-        (the proposer itself, or the lookup beside a device proposer); None: no such draft."""
+        """The proposer that drafts ahead for a row: its prediction, else prompt lookup (the
+        proposer itself, or the lookup beside a device proposer); None: no such draft."""
         if request.prediction_ids:
             return self.prediction
-        if isinstance(self.proposer, NgramProposer):
-            return self.proposer
+        if self.drafts_ahead:
+            return cast(NgramProposer, self.proposer)
         return self.lookup
 
     # -- what the policy asks while it plans (event loop) --
@@ -51,7 +61,7 @@ class HostDrafts:
         model, a head, suffix decoding) keep `num_tokens`."""
         drafts = self.drafts(requests, num_tokens)
         return [
-            len(d.token_ids) if d is not None and (r.prediction_ids or isinstance(self.proposer, NgramProposer)) else k
+            len(d.token_ids) if d is not None and (r.prediction_ids or self.drafts_ahead) else k
             for r, k, d in zip(requests, num_tokens, drafts)
         ]
 
@@ -84,18 +94,18 @@ class HostDrafts:
         """Model-free drafts per row, and the rows a device proposer will draft for on the device."""
         drafts: list[Draft | None] = [None] * len(rows)
         spec = [i for i, row in enumerate(rows) if row.sample and row.num_spec_tokens > 0]
-        if isinstance(self.proposer, DeviceProposer):
+        if self.on_device:
             host = [
                 i for i in spec if rows[i].request.prediction_ids or (self.lookup is not None and rows[i].use_lookup)
             ]
             on_device = [i for i in spec if i not in host]
-        elif isinstance(self.proposer, NgramProposer):
+        elif self.drafts_ahead:
             host, on_device = spec, []
         else:  # suffix decoding (its own drafts) or none: host drafts for predictions only
             host = [i for i in spec if rows[i].request.prediction_ids]
             others = [i for i in spec if not rows[i].request.prediction_ids]
             if self.proposer is not None:
-                _run(self.proposer, rows, others, drafts, [rows[i].num_spec_tokens for i in others])
+                _run(cast(Proposer, self.proposer), rows, others, drafts, [rows[i].num_spec_tokens for i in others])
             on_device = []
         self._fill(drafts, rows, host, [rows[i].num_spec_tokens for i in host])
         return drafts, on_device if device_drafting else []
@@ -107,9 +117,9 @@ class HostDrafts:
         want = [i for i, row in enumerate(rows) if row.num_shadow_tokens and row.sample]
         host = [i for i in want if self.proposer_for(rows[i].request) is not None]
         self._fill(drafts, rows, host, [rows[i].num_shadow_tokens for i in host])
-        if self.proposer is not None and not isinstance(self.proposer, DeviceProposer):  # suffix decoding's own
+        if self.proposer is not None and not self.on_device:  # suffix decoding's own
             own = [i for i in want if i not in host]
-            _run(self.proposer, rows, own, drafts, [rows[i].num_shadow_tokens for i in own])
+            _run(cast(Proposer, self.proposer), rows, own, drafts, [rows[i].num_shadow_tokens for i in own])
         return {i: d.token_ids for i, d in enumerate(drafts) if d is not None}
 
     def make_next(self, sampled: list[tuple[Request, RowOutput | None]]) -> None:

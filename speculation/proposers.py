@@ -8,13 +8,67 @@ possibly empty). Model-free proposers have one-hot q (`probs` None).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
 from scheduler.types import Request
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a proposer can do, as the policy and the runner read it."""
+
+    # Drafts with forwards on the device: each position drafted costs one more forward, a
+    # draft for a row that runs plain is not free (it probes instead of shadowing), and
+    # prompt lookup may draft beside it.
+    on_device: bool = False
+    # Its draft for a row is made on the host from the request alone, so before the step the
+    # runner can say how long each row's is (`Drafting.available`).
+    drafts_ahead: bool = False
+    # Its drafts carry each token's probability, which the policy prices them by (`Drafting.preview`).
+    priced: bool = False
+    # It remembers what finished requests generated (suffix decoding's cache, `specd_suffix_cache_nodes`).
+    memory: bool = False
+
+    @property
+    def can_shadow(self) -> bool:
+        """A draft for a row that runs plain costs nothing, so its next tokens can grade one."""
+        return not self.on_device
+
+
+CAPABILITIES: dict[str, Capabilities] = {
+    "ngram": Capabilities(drafts_ahead=True),
+    "prediction": Capabilities(drafts_ahead=True),
+    "suffix": Capabilities(priced=True, memory=True),
+    "draft_model": Capabilities(on_device=True),
+    "eagle": Capabilities(on_device=True),
+}
+LOOKUP_METHOD = "ngram"  # the proposer of prompt-lookup drafts beside a device proposer
+
+# Lengths of the drafts (at most k tokens each) a host proposer would make now for these requests.
+DraftLengths = Callable[[list[Request], list[int]], list[int]]
+# Per-token probabilities of the drafts a priced proposer would make now (at most k tokens each).
+Preview = Callable[[list[Request], list[int]], list[list[float]]]
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """A runner's drafting as the scheduler sees it: the proposer, what it measured of itself,
+    and the questions the policy may ask it while it plans a step (None: cannot answer)."""
+
+    method: str = "none"  # "ngram", "suffix", "draft_model", "eagle" or "none"
+    prior_rates: tuple[float, ...] = ()  # per draft position, its own acceptance record (an EAGLE head's)
+    preview: Preview | None = None  # priced proposers: the drafts' token probabilities
+    lookup: DraftLengths | None = None  # beside a device proposer: prompt-lookup drafts' lengths
+    available: DraftLengths | None = None  # host-drafted rows (n-gram, Predicted Outputs): their drafts' lengths
+    head: dict | None = None  # an EAGLE head being served: path, draft vocabulary, training record
+
+    @property
+    def capabilities(self) -> Capabilities | None:
+        return CAPABILITIES.get(self.method)
 
 
 @dataclass
@@ -41,6 +95,7 @@ class TokensAfter:
 
 class Proposer(Protocol):
     method: str
+    capabilities: ClassVar[Capabilities]
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]: ...
 
@@ -128,6 +183,7 @@ class NgramProposer:
     """
 
     method = "ngram"
+    capabilities: ClassVar[Capabilities] = CAPABILITIES[method]
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
@@ -209,6 +265,7 @@ class PredictionProposer:
     """
 
     method = "prediction"
+    capabilities: ClassVar[Capabilities] = CAPABILITIES[method]
 
     def __init__(self, max_n: int = 8):
         self.max_n = max_n

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import ClassVar
 
 from scheduler.types import FinishReason, Request
-from speculation.proposers import Draft
+from speculation.proposers import CAPABILITIES, Capabilities, Draft
 from speculation.suffix_tree import Cursor, Matcher, Sequence, SuffixTree
 
 
@@ -114,6 +115,7 @@ class _Row:
 
 class SuffixProposer:
     method = "suffix"
+    capabilities: ClassVar[Capabilities] = CAPABILITIES[method]
 
     def __init__(self, config: SuffixConfig | None = None):
         self.config = config or SuffixConfig()

@@ -32,7 +32,7 @@ from models.runner import RunnerConfig
 from scheduler.offline import Completion, run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import FinishReason, Request, SamplingParams
-from speculation.policy import SpecConfig
+from speculation.config import SpecConfig
 from training.prompts import TrainingPrompt
 
 logger = logging.getLogger("specd.training")

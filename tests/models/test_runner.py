@@ -17,7 +17,7 @@ from models.transfer import TransferCounter
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
-from speculation.policy import SpecConfig
+from speculation.config import SpecConfig
 from tests.support.tensors import packed_forward, read_kv, slot_table
 
 PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G", "for i in range(10):\n"]
@@ -194,14 +194,14 @@ def test_a_step_uploads_once_and_downloads_once(
 
 
 def _callers() -> list[str]:
-    """The project's frames (models/, scheduler/) on the current stack, as 'path:line'."""
+    """The project's frames (models/, scheduler/, speculation/) on the current stack, as 'path:line'."""
     import traceback
 
     root = Path(__file__).resolve().parents[2]
     frames = []
     for frame in traceback.extract_stack()[:-2]:
         path = Path(frame.filename).resolve()
-        if root in path.parents and path.parts[len(root.parts)] in ("models", "scheduler"):
+        if root in path.parents and path.parts[len(root.parts)] in ("models", "scheduler", "speculation"):
             frames.append(f"{path.relative_to(root)}:{frame.lineno}")
     return frames[-1:]
 
@@ -237,8 +237,8 @@ def test_the_policy_is_told_each_rows_host_draft_before_the_step(tiny_llama_dir)
     for request in (copying, fresh, predicted):
         request.host_draft = None
     requests = [copying, fresh, predicted]
-    assert runner.host_draft_lengths(requests, [4, 4, 4]) == [4, 0, 2]
-    assert runner.host_draft_lengths(requests, [2, 4, 1]) == [2, 0, 1]
+    assert runner.drafting.available(requests, [4, 4, 4]) == [4, 0, 2]
+    assert runner.drafting.available(requests, [2, 4, 1]) == [2, 0, 1]
     rows = step(runner, requests, [4, 4, 4])
     assert [r.num_draft_tokens for r in rows] == [4, 0, 2]
 
@@ -256,7 +256,7 @@ def test_the_step_makes_the_next_host_draft_and_the_policy_only_reads_it(tiny_ll
     calls = []
     real = NgramProposer.propose
     monkeypatch.setattr(NgramProposer, "propose", lambda self, r, k: calls.append(len(r)) or real(self, r, k))
-    (length,) = runner.host_draft_lengths([copying], [4])
+    (length,) = runner.drafting.available([copying], [4])
     assert length == len(out.next_host_draft.token_ids[:4])
     (verified,) = step(runner, [copying], [4])
     assert verified.num_draft_tokens == length
@@ -267,11 +267,11 @@ def test_rows_only_a_forward_can_draft_for_keep_what_they_asked(tiny_llama_dir, 
     runner = make_runner(tiny_llama_dir, "draft_model", tiny_draft_dir)
     request = running("r", [20, 21, 22, 23], 0)
     step(runner, [request], [0])
-    assert runner.host_draft_lengths([request], [3]) == [3]
+    assert runner.drafting.available([request], [3]) == [3]
 
 
 def test_a_row_is_finite_exactly_when_none_of_its_logits_is_nan_or_infinite():
-    from models.runner import all_finite
+    from models.step_sampling import all_finite
 
     logits = torch.randn(5, 1000) * 50
     logits[1, 7] = float("nan")

@@ -19,7 +19,7 @@ from models.runner import RunnerConfig
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import FinishReason, Request, SamplingParams
-from speculation.policy import SpecConfig
+from speculation.config import SpecConfig
 from tests.reliability.rel_harness import CYCLE_NAME, leaked_bookkeeping, sse_events, stream_text
 from tests.support.cycle import CYCLE_TEXT
 
@@ -158,7 +158,7 @@ class FailingAfterExecute:
     def __init__(self, runner, culprit: str):
         self.runner = runner
         self.culprit = culprit
-        self.proposer_name = runner.proposer_name
+        self.drafting = runner.drafting
         self.num_raised = 0
 
     def execute(self, batch):

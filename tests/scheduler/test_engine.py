@@ -15,7 +15,8 @@ from scheduler.engine import AsyncEngine, EngineDeadError
 from scheduler.offline import collect, run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import FinishReason, Request, SamplingParams
-from speculation.policy import SpecConfig
+from speculation.config import SpecConfig
+from speculation.proposers import Drafting
 
 PROMPTS = ["Hello world", "def add(a, b):", "The quick brown fox", "for i in range(10):\n"]
 
@@ -248,8 +249,7 @@ def test_the_policy_starts_from_the_proposers_own_acceptance_record():
     record) gives the policy its starting rates; a config that names them keeps its own."""
 
     class Recorded:
-        proposer_name = "eagle"
-        acceptance_prior = (0.27, 0.24)
+        drafting = Drafting("eagle", prior_rates=(0.27, 0.24))
 
         def execute(self, batch):
             raise AssertionError("no step runs here")

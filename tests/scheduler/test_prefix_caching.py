@@ -14,7 +14,7 @@ from scheduler.engine import AsyncEngine
 from scheduler.offline import Completion, collect
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
-from speculation.policy import SpecConfig
+from speculation.config import SpecConfig
 
 BLOCK = 8
 SYSTEM = "You are a careful assistant. Answer in one short line, and repeat the question first. " * 2

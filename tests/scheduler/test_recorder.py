@@ -17,7 +17,8 @@ from scheduler.types import (
     StepOutput,
     StepStats,
 )
-from speculation.policy import SpecConfig
+from speculation.config import SpecConfig
+from speculation.proposers import Drafting
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ def test_an_observer_fault_is_contained(recorded):
 
 def test_probes_the_policy_graded_are_reported_once_by_proposer():
     seen: list[StepStats] = []
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64), proposer="eagle")
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64), Drafting("eagle"))
     recorder = StepRecorder(scheduler, seen.append)
     request = Request("p", [1, 2, 3], SamplingParams(max_tokens=8, seed=0))
     batch = Batch(rows=[ScheduledRow(request, [3], 3, sample=True)])
@@ -99,7 +100,7 @@ def test_probes_the_policy_graded_are_reported_once_by_proposer():
 def test_a_plain_step_reports_why_its_auto_rows_did_not_draft():
     seen: list[StepStats] = []
     config = SchedulerConfig(max_num_seqs=2, max_model_len=64, spec=SpecConfig(spec_disable_batch_size=0))
-    scheduler = Scheduler(config, proposer="ngram")
+    scheduler = Scheduler(config, Drafting("ngram"))
     recorder = StepRecorder(scheduler, seen.append)
     scheduler.add(Request("a", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True)))
     for _ in range(2):  # the prefill, then a decode step whose auto row the operator's cap holds back

@@ -14,7 +14,8 @@ from scheduler.types import (
     SamplingParams,
     StepOutput,
 )
-from speculation.policy import SpecConfig
+from speculation.config import SpecConfig
+from speculation.proposers import Drafting
 
 EOS = 99
 
@@ -46,7 +47,7 @@ def fake_step(batch: Batch, token: int = 7, accept: int = 0) -> StepOutput:
 def scheduler(**kw) -> Scheduler:
     defaults = dict(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16, max_queue=4, eos_token_ids=[EOS])
     defaults.update(kw)
-    return Scheduler(SchedulerConfig(**defaults), proposer="ngram")
+    return Scheduler(SchedulerConfig(**defaults), Drafting("ngram"))
 
 
 def test_fifo_admission_up_to_max_num_seqs():

@@ -11,7 +11,7 @@ from models.runner import RunnerConfig
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
-from speculation.policy import SpecConfig
+from speculation.config import SpecConfig
 from tests.support.stats import same_token_distribution_p_value
 
 PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G", "for i in range(10):\n"]
@@ -183,15 +183,17 @@ def test_prediction_is_used_as_the_draft(tiny_llama_dir):
 
 
 class CountingProposer:
+    """A device proposer that counts the steps it plans drafts for."""
+
     def __init__(self, inner):
-        self.inner, self.method, self.calls = inner, inner.method, 0
+        self.inner, self.calls = inner, 0
 
-    def propose(self, requests, num_tokens):
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def plan(self, *args):
         self.calls += 1
-        return self.inner.propose(requests, num_tokens)
-
-    def free(self, request_id):
-        self.inner.free(request_id)
+        return self.inner.plan(*args)
 
 
 def test_threshold_runs_plain_steps_without_proposer_calls(tiny_llama_dir, tiny_draft_dir):

@@ -28,11 +28,12 @@ from models.runner import ModelRunner, RunnerConfig
 from models.transfer import HostBuffer
 from scheduler.engine import AsyncEngine
 from scheduler.offline import run_offline
-from scheduler.scheduler import SchedulerConfig, step_shape
+from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
 from server.protocol import SpeculationInfo
+from speculation.config import SpecConfig
+from speculation.cost_model import step_shape
 from speculation.eagle import EagleProposer
-from speculation.policy import SpecConfig
 from tests.support.cycle import build_cycle_head, cycle_ids
 from tests.support.stats import same_token_distribution_p_value
 from tests.support.tensors import slot_table
@@ -113,7 +114,7 @@ def test_rows_draft_by_lookup_beside_the_head_and_output_stays_exact(tiny_llama_
     model falls into loops that lookup copies), in the same forwards as head rows, a plain
     row and a prediction row; every row's output equals plain decoding."""
     runner = eagle_runner(tiny_llama_dir, tiny_llama_head_dir)
-    assert runner.lookup is not None and runner.lookup_drafts is not None
+    assert runner.lookup is not None and runner.drafting.lookup is not None
     config, tok = sched_config(runner, num_speculative_tokens=5), runner.target.tokenizer
     plain = [c.token_ids for c in run_offline(runner, config, greedy(tok, "off", False, n=64))]
     methods: list[str] = []

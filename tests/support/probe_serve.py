@@ -44,7 +44,7 @@ def snapshot(state) -> dict:
         # Every block free (cached or not) once nothing runs: a leak holds a reference.
         blocks_in_use=scheduler.blocks.num_used,
         block_references=sum(scheduler.blocks.ref_count),
-        policy_states=len(scheduler.policy._state),
+        policy_states=len(scheduler.policy.estimates.rows),
         proposer_states=len(getattr(proposer, "_computed", {})),
         kv_usage=scheduler.kv_usage,
         engine_running=engine.is_running,
