@@ -42,7 +42,7 @@ from typing import Literal
 
 from benchmarks.common import chat_ids, table
 from benchmarks.lengths import max_tokens_per_request
-from benchmarks.serve_bench import load_prompts
+from benchmarks.serve_client import load_prompts
 from models.builder import ProposerConfig, build_runner
 from models.loader import LoadedModel
 from models.runner import ModelRunner, RunnerConfig

@@ -41,7 +41,7 @@ from statistics import mean
 
 import httpx
 
-from benchmarks.serve_bench import Prompt, RequestResult, load_prompts, send
+from benchmarks.serve_client import Prompt, RequestResult, load_prompts, send
 from tests.support.metrics import Metrics
 from tests.support.server import ServerError, SpecdServer, serve_args
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.serve_bench import load_prompts
+from benchmarks.serve_client import load_prompts
 from tests.support.router import Replica, completed_requests, router_binary, start_replicas, start_router
 from tests.support.server import serve_args
 

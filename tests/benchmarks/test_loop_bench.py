@@ -9,7 +9,7 @@ import pytest
 from benchmarks.common import chat_ids, load
 from benchmarks.lengths import max_tokens_per_request
 from benchmarks.loop_bench import LoopConfig, loop_section, shared_cost_model
-from benchmarks.serve_bench import load_prompts
+from benchmarks.serve_client import load_prompts
 from models.builder import ProposerConfig, build_runner
 from models.runner import RunnerConfig
 from scheduler.offline import run_offline

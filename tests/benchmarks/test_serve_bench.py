@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from benchmarks import serve_bench, serve_report
+from benchmarks import serve_bench, serve_client, serve_report
 from benchmarks.peers import Peer, VllmServe
 from speculation.policy import PLAIN_REASONS
 
@@ -112,7 +112,7 @@ def test_percentiles_interpolate_linearly():
 
 
 def test_chunks_count_tokens_from_continuous_usage():
-    result = serve_bench.RequestResult("p", start=0.0)
+    result = serve_client.RequestResult("p", start=0.0)
 
     def chunk(content: str, completion_tokens: int, choices: bool = True) -> dict:
         usage = {
@@ -123,7 +123,7 @@ def test_chunks_count_tokens_from_continuous_usage():
         return {"choices": [{"delta": {"content": content}}] if choices else [], "usage": usage}
 
     for now, piece in enumerate([chunk("", 0), chunk("a", 1), chunk("bcd", 4), chunk("", 4, choices=False)]):
-        serve_bench.on_chunk(piece, float(now), result)
+        serve_client.on_chunk(piece, float(now), result)
     assert result.chunk_tokens == [1, 3] and result.chunk_times == [
         1.0,
         2.0,
@@ -162,11 +162,11 @@ def test_repeats_rotate_the_modes_order():
 
 
 def test_natural_lengths_leave_the_end_of_sequence_to_the_model():
-    prompt = serve_bench.Prompt("p0", "Hello")
+    prompt = serve_client.Prompt("p0", "Hello")
     assert serve_bench.parse_args([]).lengths == "fixed"
-    assert serve_bench.request_body("m", prompt, "auto", 64)["ignore_eos"] is True
+    assert serve_client.request_body("m", prompt, "auto", 64)["ignore_eos"] is True
     assert serve_bench.parse_args(["--lengths", "natural"]).lengths == "natural"
-    body = serve_bench.request_body("m", prompt, "off", 64, ignore_eos=False)
+    body = serve_client.request_body("m", prompt, "off", 64, ignore_eos=False)
     assert body["ignore_eos"] is False and body["max_tokens"] == 64 and body["speculation"] is False
     assert serve_report.length_label({"max_tokens": 64}) == "64 tokens (ignore_eos)"  # reports from before the flag
     assert serve_report.length_label({"max_tokens": 64, "lengths": "natural"}) == "up to 64 tokens (to end of sequence)"
@@ -198,13 +198,13 @@ def test_peer_columns_set_plain_decoding_and_n_gram_speculation_beside_the_peers
 
 
 def test_peer_requests_carry_only_what_the_peer_takes():
-    prompt = serve_bench.Prompt("p0", "Hello")
+    prompt = serve_client.Prompt("p0", "Hello")
     vllm = Peer("vllm", VllmServe.__new__(VllmServe))
-    body = serve_bench.request_body("peer", prompt, "vllm", 64, cache_salt="s", peer=vllm)
+    body = serve_client.request_body("peer", prompt, "vllm", 64, cache_salt="s", peer=vllm)
     assert body["ignore_eos"] is True and body["stream_options"]["continuous_usage_stats"] is True
     assert "speculation" not in body and "cache_salt" not in body
     transformers = Peer("transformers", object.__new__(serve_bench.SpecdServer))
-    body = serve_bench.request_body("peer", prompt, "transformers", 64, peer=transformers)
+    body = serve_client.request_body("peer", prompt, "transformers", 64, peer=transformers)
     assert "ignore_eos" not in body and "stream_options" not in body
 
 
