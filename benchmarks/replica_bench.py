@@ -9,6 +9,12 @@ Three setups, each on fresh servers (cold caches), on the same traffic shape:
 - one row per `--policies` entry: two replicas pinned to cores 0 and 1 behind vllm-router
   with that policy, all the conversations (2x the load).
 
+By default the client (this process) runs on the setup's cores too (`--client-cores
+shared`): the same cores per replica in every setup, the client's and router's work
+included, which is what scaling out by one machine per replica gives. With `free` the
+client is not pinned: `single` then has a core of its own for the client that the
+two-replica setups share with their replicas.
+
 Traffic: `--conversations` multi-turn chats of `--turns` turns each (user messages from the
 chat prompt set, every reply appended to the history, as chat clients do), all at once, then
 repeated agent traffic: each of `--conversations` agents sends its one instruction
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -134,6 +141,9 @@ async def run_setup(name: str, args: argparse.Namespace, out: Path) -> dict:
     (out / name).mkdir(parents=True, exist_ok=True)
     replicas: list[Replica] = start_replicas(replica_args(args), out / name, cores)
     router = None
+    own_cores = os.sched_getaffinity(0)
+    if args.client_cores == "shared":  # the client (this process) on the replicas' cores only
+        os.sched_setaffinity(0, {int(c) for c in cores})
     try:
         if name != "single":
             binary = router_binary()
@@ -143,6 +153,7 @@ async def run_setup(name: str, args: argparse.Namespace, out: Path) -> dict:
         chat, agents = await drive(router.url if router else replicas[0].url, n, args, replicas)
         served = counters(replicas)[0]
     finally:
+        os.sched_setaffinity(0, own_cores)
         if router is not None:
             router.stop()
         for replica in replicas:
@@ -188,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent-repeats", type=int, default=5, help="requests per agent [5]")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per reply [32]")
     parser.add_argument("--dtype", default="auto", help="replicas' --dtype [auto]")
+    parser.add_argument("--client-cores", choices=("shared", "free"), default="shared",
+                        help="shared: the client runs on the replicas' cores, so every setup has the same cores "
+                             "per replica (single: replica and client on core 0; two replicas: both cores for "
+                             "replicas, client and router); free: the client is not pinned, which leaves "
+                             "`single` a core to itself [shared]")  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/replicas"), help="[%(default)s]")
     args = parser.parse_args(argv)
     if router_binary() is None:
@@ -197,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [asyncio.run(run_setup(name, args, args.out_dir)) for name in ["single", *args.policies.split(",")]]
     report = (f"## specd replicas behind vllm-router\n\n{args.conversations} conversations x {args.turns} turns, "
               f"then {args.conversations} agents x {args.agent_repeats} requests; {args.max_tokens} tokens a reply, "
-              f"greedy, --draft suffix, each replica pinned to one core (taskset), `single` at half the load.\n\n"
+              f"greedy, --draft suffix, each replica pinned to one core (taskset), `single` at half the load, "
+              f"client cores {args.client_cores}.\n\n"
               + table(rows, args.turns) + "\n")  # fmt: skip
     print(report)
     (args.out_dir / "replica_bench.md").write_text(report)
