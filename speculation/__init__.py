@@ -5,7 +5,7 @@
   `device_draft` / `draft_model` / `eagle` (proposers that draft with forwards).
 - `host_drafts`: model-free drafts made once per step on the step thread.
 - `estimates`: per-row acceptance, shrunk toward peers and calibrated per proposer.
-- `cost_model`: the step's time, learned online; `policy`: per step and per row,
+- `cost_model`: the step's time, learned online; `config`: the settings; `policy`: per step and per row,
   how many tokens to draft.
 - `rejection`: the lossless verify; `tally`: per-chunk speculation counts.
 """
