@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from sse_starlette import EventSourceResponse
@@ -37,7 +37,7 @@ from server.protocol import (
     Usage,
 )
 from server.record import RequestRecord
-from speculation.tally import SpeculationTally
+from server.speculation_tally import SpeculationTally
 
 logger = logging.getLogger("specd.server")
 
@@ -165,9 +165,7 @@ class Choice:
         tokens = self._release_tokens()
         if not text and not tokens and self.finish_reason is None:
             return None
-        speculation = None
-        if self._tally is not None:
-            speculation = ChunkSpeculation(**asdict(self._tally.take(self.num_tokens, *self.usage_details())))
+        speculation = self._tally.take(self.num_tokens, *self.usage_details()) if self._tally is not None else None
         return ChoiceUpdate(self.index, text, tokens, self.finish_reason, speculation)
 
     def _remember_tokens(self, out: RequestOutput, start: int, end: int) -> None:

@@ -7,5 +7,5 @@
 - `estimates`: per-row acceptance, shrunk toward peers and calibrated per proposer.
 - `cost_model`: the step's time, learned online; `config`: the settings; `policy`: per step and per row,
   how many tokens to draft.
-- `rejection`: the lossless verify; `tally`: per-chunk speculation counts.
+- `rejection`: the lossless verify.
 """

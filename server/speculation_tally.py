@@ -10,21 +10,8 @@ between chunks (stop strings, split characters) or cut by a stop string.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from scheduler.types import RequestOutput
-
-
-@dataclass(frozen=True)
-class ChunkCounts:
-    """One chunk's counts (the fields of the server's `ChunkSpeculation`)."""
-
-    tokens: int  # completion tokens
-    accepted_tokens: int  # of them, from accepted drafts
-    draft_tokens: int  # drafts verified: accepted + rejected
-    rejected_tokens: int
-    steps: int  # engine steps that sampled for this choice
-    speculative_steps: int  # of them, steps that verified drafts
+from server.protocol import ChunkSpeculation
 
 
 class SpeculationTally:
@@ -45,10 +32,10 @@ class SpeculationTally:
         if drafted:
             self._speculative_steps += 1
 
-    def take(self, tokens: int, accepted: int, rejected: int) -> ChunkCounts:
+    def take(self, tokens: int, accepted: int, rejected: int) -> ChunkSpeculation:
         """The chunk's counts, from the choice's running totals; the next chunk starts from here."""
         sent_tokens, sent_accepted, sent_rejected = self._sent
-        chunk = ChunkCounts(
+        chunk = ChunkSpeculation(
             tokens=tokens - sent_tokens,
             accepted_tokens=accepted - sent_accepted,
             draft_tokens=accepted - sent_accepted + rejected - sent_rejected,
