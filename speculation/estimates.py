@@ -185,11 +185,15 @@ class AcceptanceEstimates:
                 relative = min(rates[0] / peer, 1.0)
         return rates
 
+    def raw_gains(self, state: RowEstimate, k: int, probs: list[float] | None = None) -> list[float]:
+        """P(draft position j accepted), j < k: the product of the rates up to j or, for a
+        priced draft, of its tokens' probabilities."""
+        return [float(g) for g in np.cumprod(probs if probs is not None else self.rates(state, k))]
+
     def gains(self, state: RowEstimate, k: int, probs: list[float] | None = None) -> list[float]:
-        """Calibrated expected extra tokens of each of the row's first k draft positions,
-        from its rates or, for a priced draft, its tokens' probabilities; the raw gains
-        are kept on the row for grading."""
-        state.raw = [float(g) for g in np.cumprod(probs if probs is not None else self.rates(state, k))]
+        """Calibrated expected extra tokens of each of the row's first k draft positions; the
+        raw gains are kept on the row for grading."""
+        state.raw = self.raw_gains(state, k, probs)
         return self._calibration(state).apply(state.raw)
 
     def _prior(self, method: str | None, position: int) -> float:
@@ -225,9 +229,10 @@ class AcceptanceEstimates:
         would have priced it: by its rates, or (`priced`) by the last previewed draft's."""
         if state.shadow is None and draft_ids:
             n = len(draft_ids)
-            if not priced:
-                self.gains(state, n)
-            gains = state.raw[:n] if len(state.raw) >= n else []
+            if priced:
+                gains = state.raw[:n] if len(state.raw) >= n else []
+            else:
+                gains = self.raw_gains(state, n)
             state.shadow = Shadow(list(draft_ids), gains, state.after_full)
             self._begin(state)
         shadow = state.shadow
