@@ -1,6 +1,7 @@
 """Hostile clients beside honest ones: every bad or oversized request of the bad-input battery
 (and more) is answered with a clean OpenAI error in under a second while 8 honest greedy
-streams run; the streams keep their pace (median TPOT within 1.2x of a quiet run), end with
+streams run; the streams keep their pace (an attacked round's median TPOT against the quiet
+rounds on either side of it: the median of those ratios within 1.2x), end with
 the text they get alone, and /health answers: 99% of probes in under 100 ms in both phases, every
 probe in under a second (the liveness probe's timeout is 5 s). The slowest single probe is not
 the measure: on a shared 2-core CI machine a quiet phase alone once saw 302 ms.
@@ -28,7 +29,7 @@ from tests.support.server import finish_server, serve_args, start_server
 pytestmark = pytest.mark.slow
 
 HONEST_STREAMS = 8
-HONEST_ROUNDS = 3
+HONEST_ROUNDS = 4  # attacked rounds, each between two quiet ones
 HONEST_PROMPTS = [f"Story {i}: once upon a time" for i in range(HONEST_STREAMS)]
 MAX_TPOT_RATIO = 1.2
 MAX_ERROR_SECONDS = 1.0
@@ -136,19 +137,23 @@ async def test_hostile_clients_get_clean_errors_while_honest_streams_keep_pace(h
     threads = [threading.Thread(target=hostility.attack), threading.Thread(target=hostility.probe)]
     for thread in threads:
         thread.start()
-    # Quiet and attacked rounds alternate, so the machine's own drift touches both alike.
-    tpot: dict[bool, list[float]] = {False: [], True: []}
+    # Quiet and attacked rounds alternate, quiet first and last (Q A Q A ... Q): each attacked
+    # round is set against the mean of the quiet rounds on either side of it, so the machine's
+    # own drift (±12% between quiet rounds on a shared 2-core machine) cancels within a pair.
+    rounds: list[tuple[bool, float]] = []  # (attacked, the round's median TPOT)
     try:
-        rounds = 0
-        while rounds < HONEST_ROUNDS or hostility.passes == 0:
-            for attacked in (False, True):
-                if attacked:
-                    hostility.attacking.set()
-                texts, seconds = await honest_round(hostile_server)
-                hostility.attacking.clear()
-                assert texts == alone  # nothing lost, nothing changed
-                tpot[attacked] += seconds
-            rounds += 1
+        under_attack = False
+        while True:
+            if under_attack:
+                hostility.attacking.set()
+            texts, seconds = await honest_round(hostile_server)
+            hostility.attacking.clear()
+            assert texts == alone  # nothing lost, nothing changed
+            rounds.append((under_attack, statistics.median(seconds)))
+            done = sum(a for a, _ in rounds) >= HONEST_ROUNDS and hostility.passes > 0
+            if done and not under_attack:
+                break
+            under_attack = not under_attack
     finally:
         hostility.stop.set()
         for thread in threads:
@@ -160,13 +165,16 @@ async def test_hostile_clients_get_clean_errors_while_honest_streams_keep_pace(h
         assert status == case.status, (name, status, body)
         assert set(body) == {"error"} and body["error"]["message"], (name, body)
         assert seconds < MAX_ERROR_SECONDS, (name, seconds)
-    quiet, attacked = statistics.median(tpot[False]), statistics.median(tpot[True])
+    ratios = [rounds[i][1] / statistics.mean((rounds[i - 1][1], rounds[i + 1][1])) for i in range(1, len(rounds), 2)]
+    quiet = statistics.median(t for a, t in rounds if not a)
+    attacked = statistics.median(t for a, t in rounds if a)
     slowest_error = max(seconds for _, _, seconds, _ in hostility.errors)
     tally.cases_tried += len(hostility.errors)
     tally.notes["hostile: bad requests (kinds)"] = f"{len(hostility.errors)} ({len(bad)})"
     tally.notes["hostile: slowest error"] = f"{slowest_error * 1000:.0f} ms"
     tally.notes["hostile: median TPOT, attacked / quiet"] = (
-        f"{attacked * 1000:.1f} / {quiet * 1000:.1f} ms ({attacked / quiet:.2f}x)"
+        f"{attacked * 1000:.1f} / {quiet * 1000:.1f} ms (paired: {statistics.median(ratios):.2f}x; "
+        f"{min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} pairs)"
     )
     p99 = {phase: statistics.quantiles(times, n=100)[98] for phase, times in hostility.health.items()}
     tally.notes["hostile: /health p99, attacked / quiet"] = (
@@ -174,6 +182,6 @@ async def test_hostile_clients_get_clean_errors_while_honest_streams_keep_pace(h
     )
     slowest_health = max(max(hostility.health[True]), max(hostility.health[False]))
     tally.notes["hostile: slowest /health"] = f"{slowest_health * 1000:.0f} ms"
-    assert attacked / quiet <= MAX_TPOT_RATIO
+    assert statistics.median(ratios) <= MAX_TPOT_RATIO, ratios
     assert max(p99.values()) < MAX_HEALTH_P99_SECONDS
     assert slowest_health < MAX_HEALTH_SECONDS
