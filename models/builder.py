@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from models import paged_attention
 from models.eagle_head import EagleHead, load_head
 from models.forward import check_plain_logits
 from models.kv_cache import KVCache
@@ -72,6 +73,7 @@ def build_runner(
             device=target.device.type,
             cache_dir=model.cache_dir if isinstance(model, ModelConfig) else None,
             tune_kernels=target.kernels.is_tuned,  # as the target was
+            cpu_attention="paged" if paged_attention.available() else "gather",
         )
         loaded_draft = load_model(draft_cfg)
         check_draft_compatible(target, loaded_draft)

@@ -40,8 +40,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from models import paged_attention
 from models.forward import lean_forward
-from models.kv_cache import KVCache, tune_attention
+from models.kv_cache import KVCache, tune_attention, use_paged_attention
 from models.linear_kernels import UNTUNED, ModelKernels, tune_model
 
 logger = logging.getLogger("specd.models")
@@ -74,10 +75,13 @@ class ModelConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     tune_kernels: bool = True  # time the linear layers' GEMM layouts at load (CPU; linear_kernels.py)
+    cpu_attention: str = "paged"  # paged | gather: how CPU decode rows read the KV pool (paged_attention.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.cpu_attention not in ("paged", "gather"):
+            raise ValueError(f"cpu_attention must be paged or gather; got {self.cpu_attention!r}")
         if not _DEVICE_NAME.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if self.model is not None and not self.model.strip():
@@ -164,6 +168,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         lean.use_kernels(kernels.layers)
     if cfg.tune_kernels and device.type == "cpu":
         tune_attention(*KVCache.heads(model.config), dtype)
+    if device.type == "cpu":
+        paged = cfg.cpu_attention == "paged" and paged_attention.load(cfg.cache_dir or default_cache_dir())
+        use_paged_attention(paged)
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,

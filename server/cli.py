@@ -40,7 +40,8 @@ GENERATE_SETTINGS = (
 )  # fmt: skip
 # Settings that `train-draft` shares with `serve`: which target, loaded how.
 TRAIN_DRAFT_SETTINGS = (
-    "model", "dtype", "device", "cache_dir", "revision", "trust_remote_code", "tune_kernels", "log_level",
+    "model", "dtype", "device", "cache_dir", "revision", "trust_remote_code", "tune_kernels", "cpu_attention",
+    "log_level",
 )  # fmt: skip
 
 

@@ -125,6 +125,12 @@ class Settings(BaseSettings):
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of --model.")
     trust_remote_code: bool = Field(False, description="Allow model code from the Hub repository to run.")
+    cpu_attention: Literal["paged", "gather"] = Field(
+        "paged",
+        description="On CPU, how decode rows read the paged KV cache: paged (a C++ kernel reads each row's blocks "
+        "in place; compiled for this CPU on first start, ~15 s, cached under --cache-dir; needs a C++ compiler, "
+        "else gather with a warning) or gather (each row's blocks copied out for SDPA every layer).",
+    )
     tune_kernels: bool = Field(
         True,
         description="On CPU, time the two GEMM layouts of the linear layers at load (~9 s for SmolLM2: the decoder "

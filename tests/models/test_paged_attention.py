@@ -1,0 +1,145 @@
+"""models.paged_attention: the in-place kernel against plain attention over gathered keys, the
+dispatch in `models.kv_cache.attend`, and the gather path where the kernel cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import kv_cache, paged_attention
+from models.kv_cache import LayoutPlan, attend, use_paged_attention
+from models.loader import default_cache_dir
+from models.transfer import HostBuffer
+
+HAS_COMPILER = any(shutil.which(name) for name in ("c++", "g++"))
+
+
+@pytest.fixture
+def kernel():
+    """The kernel, built as a server builds it; with a compiler at hand it must build."""
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler on this machine: the gather path serves (test_failed_build_falls_back)")
+    assert paged_attention.load(default_cache_dir())
+    was = kv_cache._PAGED
+    yield paged_attention
+    kv_cache._PAGED = was
+
+
+def pool_and_tables(
+    rng: random.Random, lens_before: list[int], new: list[int], block_size: int, kv_heads: int, head_dim: int, dtype
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """K and V pools [KVH, slots, D] and each row's blocks, scattered over the pool."""
+    needed = [-(-(s + n) // block_size) for s, n in zip(lens_before, new)]
+    blocks = list(range(sum(needed) + 7))
+    rng.shuffle(blocks)
+    tables, at = [], 0
+    for count in needed:
+        tables.append(blocks[at : at + count])
+        at += count
+    shape = (kv_heads, len(blocks) * block_size, head_dim)
+    return torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), tables
+
+
+def reference(q, k_pool, v_pool, tables, starts, lens, block_size, scale) -> torch.Tensor:
+    """Row by row in float64: keys gathered position by position, causal from each row's start."""
+    out, at = [], 0
+    group = q.shape[1] // k_pool.shape[0]
+    for table, start, n in zip(tables, starts, lens):
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(start + n)]
+        key = k_pool[:, slots].double().repeat_interleave(group, 0)  # [H, keys, D]
+        value = v_pool[:, slots].double().repeat_interleave(group, 0)
+        query = q[at : at + n].double().transpose(0, 1)  # [H, n, D]
+        visible = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]
+        out.append(F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale).transpose(0, 1))
+        at += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("block_size", [16, 5, 1])
+@pytest.mark.parametrize("queries", [1, 4])
+def test_kernel_matches_attention_over_gathered_keys(kernel, dtype, tolerance, heads, kv_heads, block_size, queries):
+    rng = random.Random(f"{dtype}{heads}{block_size}{queries}")
+    torch.manual_seed(rng.randrange(1 << 30))
+    head_dim = 16
+    starts = [0, 1, 15, 16, 33, rng.randrange(60)]
+    lens = [queries] * len(starts)
+    k_pool, v_pool, tables = pool_and_tables(rng, starts, lens, block_size, kv_heads, head_dim, dtype)
+    q = torch.randn(sum(lens), heads, head_dim, dtype=dtype)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])
+    query_start = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    scale = head_dim**-0.5
+    got = kernel.paged_attention(q, k_pool, v_pool, table, query_start, torch.tensor(starts), block_size, scale)
+    want = reference(q, k_pool, v_pool, tables, starts, lens, block_size, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.double(), want, atol=tolerance, rtol=tolerance)
+
+
+def layout_for(tables, starts, lens, block_size):
+    plan = LayoutPlan.build(tables, starts, lens, block_size)
+    buf = HostBuffer()
+    plan.add_to(buf, "l")
+    return plan.resolve(buf.upload(torch.device("cpu")), "l")
+
+
+def test_attend_reads_decode_rows_in_place_and_leaves_verify_rows_to_sdpa(kernel, monkeypatch):
+    rng = random.Random(0)
+    block_size, starts, lens = 4, [9, 3, 20, 6], [1, 1, 5, 3]  # two decode rows, two verify rows
+    k_pool, v_pool, tables = pool_and_tables(rng, starts, lens, block_size, 2, 8, torch.float32)
+    q = torch.randn(sum(lens), 4, 8)
+    calls: list[int] = []
+    real = paged_attention.paged_attention
+    monkeypatch.setattr(
+        paged_attention, "paged_attention", lambda query, *a: calls.append(len(query)) or real(query, *a)
+    )
+    use_paged_attention(True)
+    got = attend(layout_for(tables, starts, lens, block_size), q, k_pool, v_pool, 8**-0.5)
+    assert calls == [2]  # the decode group's two queries; the verify group went to SDPA
+    want = reference(q, k_pool, v_pool, tables, starts, lens, block_size, 8**-0.5)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    use_paged_attention(False)
+    calls.clear()
+    gathered = attend(layout_for(tables, starts, lens, block_size), q, k_pool, v_pool, 8**-0.5)
+    assert calls == []
+    torch.testing.assert_close(gathered, got, atol=1e-5, rtol=1e-5)
+
+
+def test_a_decode_row_reads_the_same_alone_as_among_others(kernel):
+    """Each (row, KV head) is one thread's work in a fixed order: the bits of a row's output do not
+    depend on which rows share its step (the gather path pads rows to the longest)."""
+    rng = random.Random(1)
+    block_size, starts = 16, [40, 7, 130, 64]
+    k_pool, v_pool, tables = pool_and_tables(rng, starts, [1] * 4, block_size, 3, 64, torch.bfloat16)
+    q = torch.randn(4, 9, 64, dtype=torch.bfloat16)
+    use_paged_attention(True)
+    together = attend(layout_for(tables, starts, [1] * 4, block_size), q, k_pool, v_pool, 0.125)
+    for row in range(4):
+        alone = attend(
+            layout_for([tables[row]], [starts[row]], [1], block_size), q[row : row + 1], k_pool, v_pool, 0.125
+        )
+        assert torch.equal(alone[0], together[row])
+
+
+def test_failed_build_falls_back_to_the_gather(monkeypatch, tmp_path, caplog):
+    from torch.utils import cpp_extension
+
+    def no_compiler(**_):
+        raise RuntimeError("Error building extension 'specd_paged_attention': c++: command not found")
+
+    was = kv_cache._PAGED
+    monkeypatch.setattr(paged_attention, "_available", None)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="specd.models"):
+        assert paged_attention.load(tmp_path) is False
+    assert "paged attention kernel not built (Error building extension" in caplog.text
+    assert not paged_attention.available()
+    use_paged_attention(True)
+    assert kv_cache._PAGED is False  # asked for, but nothing to run: decode rows gather
+    kv_cache._PAGED = was
