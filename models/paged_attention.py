@@ -1,4 +1,5 @@
-"""Paged attention that reads the KV pool in place, for decode and verify rows on CPU.
+"""Paged attention that reads the KV pool in place, for decode rows on CPU (the kernel takes
+verify rows too; `models.kv_cache` keeps those on the gather, which is faster there).
 
 `models.kv_cache` otherwise gathers every row's blocks into a padded copy per layer and
 SDPA reads that copy again: three passes over the rows' KV where attention needs one. At 32
@@ -44,13 +45,13 @@ def load(cache_dir: Path) -> bool:
     from torch.utils import cpp_extension
 
     build_dir = cache_dir / "kernels" / f"paged_attention-{_build_tag()}"
-    build_dir.mkdir(parents=True, exist_ok=True)
     # ninja from the venv (a dependency) where the server was started without the venv on PATH.
     scripts = sysconfig.get_path("scripts")
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([scripts, os.environ.get("PATH", "")])
     started = time.perf_counter()
     try:
+        build_dir.mkdir(parents=True, exist_ok=True)  # a read-only cache falls back like a missing compiler
         library = cpp_extension.load(
             name="specd_paged_attention",
             sources=[str(SOURCE)],
