@@ -9,10 +9,9 @@ from pathlib import Path
 
 import torch
 
-from models import paged_attention
 from models.eagle_head import EagleHead, load_head
 from models.forward import check_plain_logits
-from models.kv_cache import KVCache
+from models.kv_cache import KVCache, paged_attention_enabled
 from models.loader import LoadedModel, ModelConfig, check_draft_compatible, load_model
 from models.runner import ModelRunner, RunnerConfig
 from scheduler.kv_blocks import blocks_for
@@ -53,6 +52,11 @@ class ProposerConfig:
             raise ValueError("ngram sizes must satisfy 1 <= min <= max")
 
 
+def _cpu_attention_in_use() -> str:
+    """How the target, loaded before us, reads its KV on CPU; a draft model reads alike."""
+    return "paged" if paged_attention_enabled() else "gather"
+
+
 def build_runner(
     model: ModelConfig | LoadedModel,
     runner: RunnerConfig,
@@ -73,7 +77,7 @@ def build_runner(
             device=target.device.type,
             cache_dir=model.cache_dir if isinstance(model, ModelConfig) else None,
             tune_kernels=target.kernels.is_tuned,  # as the target was
-            cpu_attention="paged" if paged_attention.available() else "gather",
+            cpu_attention=model.cpu_attention if isinstance(model, ModelConfig) else _cpu_attention_in_use(),
         )
         loaded_draft = load_model(draft_cfg)
         check_draft_compatible(target, loaded_draft)

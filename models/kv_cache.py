@@ -58,6 +58,11 @@ class GroupPlan:
     pad_index: list[int] | None  # each token's cell in the [num_rows * max_q] grid; None: no padding
     # One row whose blocks are consecutive: its keys are a view of the pool from this block (no gather).
     view_block: int | None = None
+    paged: bool = False  # a decode group the CPU kernel may read in place: its block table goes up too
+
+    @property
+    def uploads_blocks(self) -> bool:
+        return self.view_block is None or self.paged
 
 
 @dataclass
@@ -104,8 +109,7 @@ class LayoutPlan:
             table = block_tables[b][: blocks_for(starts[b] + lens[b], block_size)]  # the blocks the row uses
             block_index += table + [table[0]] * (num_blocks - len(table))
         view_block = None
-        in_place = _PAGED and max_q == 1  # the kernel reads blocks where they are: no view needed
-        if not in_place and len(run) == 1 and block_index == list(range(block_index[0], block_index[0] + num_blocks)):
+        if len(run) == 1 and block_index == list(range(block_index[0], block_index[0] + num_blocks)):
             view_block = block_index[0]
         return GroupPlan(
             num_rows=len(run),
@@ -118,6 +122,7 @@ class LayoutPlan:
             token_index=None if token_index == list(range(total)) else token_index,
             pad_index=None if len(pad_index) == len(run) * max_q else pad_index,
             view_block=view_block,
+            paged=_PAGED and max_q == 1,
         )
 
     def add_to(self, buf: HostBuffer, prefix: str) -> None:
@@ -125,7 +130,7 @@ class LayoutPlan:
         buf.ints(f"{prefix}.token_pos", self.token_pos)
         for i, g in enumerate(self.groups):
             buf.ints(f"{prefix}.{i}.grid_start", g.grid_start)
-            if g.view_block is None:
+            if g.uploads_blocks:
                 buf.ints(f"{prefix}.{i}.block_index", g.block_index)
                 buf.ints(f"{prefix}.{i}.query_start", g.query_start)
             if g.token_index is not None:
@@ -142,8 +147,8 @@ class LayoutPlan:
                 plan=g,
                 block_size=self.block_size,
                 grid_start=arrays[f"{prefix}.{i}.grid_start"],
-                block_index=get(f"{prefix}.{i}.block_index", g.view_block is None),
-                query_start=get(f"{prefix}.{i}.query_start", g.view_block is None),
+                block_index=get(f"{prefix}.{i}.block_index", g.uploads_blocks),
+                query_start=get(f"{prefix}.{i}.query_start", g.uploads_blocks),
                 token_index=get(f"{prefix}.{i}.token_index", g.token_index is not None),
                 pad_index=get(f"{prefix}.{i}.pad_index", g.pad_index is not None),
             )
@@ -207,10 +212,10 @@ class AttentionGroup:
         for one row on consecutive blocks, else gathered block by block."""
         kv_heads, _, head_dim = k_pool.shape
         plan = self.plan
-        if self.block_index is None:
-            assert plan.view_block is not None
+        if plan.view_block is not None:
             lo = plan.view_block * self.block_size
             return k_pool[:, None, lo : lo + plan.max_kv], v_pool[:, None, lo : lo + plan.max_kv]
+        assert self.block_index is not None
         # Rows of the pool seen as [kv_heads * pool_blocks, block]: a gather along dim 0 copies
         # whole blocks (measured 4x faster than along dim 1 for 16 rows of 19 blocks, bf16).
         pool_blocks = k_pool.shape[1] // self.block_size
@@ -424,6 +429,10 @@ def _reads_in_place(group: AttentionGroup, query: torch.Tensor, sliding_window) 
 
 # Whether decode groups on CPU read the pool in place (`use_paged_attention`).
 _PAGED = False
+
+
+def paged_attention_enabled() -> bool:
+    return _PAGED
 
 
 def use_paged_attention(enabled: bool) -> None:

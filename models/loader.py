@@ -168,9 +168,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         lean.use_kernels(kernels.layers)
     if cfg.tune_kernels and device.type == "cpu":
         tune_attention(*KVCache.heads(model.config), dtype)
-    if device.type == "cpu":
-        paged = cfg.cpu_attention == "paged" and paged_attention.load(cfg.cache_dir or default_cache_dir())
-        use_paged_attention(paged)
+    paged = device.type == "cpu" and cfg.cpu_attention == "paged"
+    use_paged_attention(paged and paged_attention.load(cfg.cache_dir or default_cache_dir()))
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,

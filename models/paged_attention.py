@@ -28,6 +28,8 @@ logger = logging.getLogger("specd.models")
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own libgomp
 
+STALE_LOCK_S = 600  # a first build takes ~15 s on 2 cores
+
 _available: bool | None = None  # None: not tried in this process
 
 
@@ -44,14 +46,16 @@ def load(cache_dir: Path) -> bool:
         return _available
     from torch.utils import cpp_extension
 
-    build_dir = cache_dir / "kernels" / f"paged_attention-{_build_tag()}"
     # ninja from the venv (a dependency) where the server was started without the venv on PATH.
     scripts = sysconfig.get_path("scripts")
-    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join([scripts, os.environ.get("PATH", "")])
+    path = [part for part in os.environ.get("PATH", "").split(os.pathsep) if part]
+    if scripts not in path:
+        os.environ["PATH"] = os.pathsep.join([scripts, *path])
     started = time.perf_counter()
     try:
+        build_dir = cache_dir / "kernels" / f"paged_attention-{_build_tag()}"
         build_dir.mkdir(parents=True, exist_ok=True)  # a read-only cache falls back like a missing compiler
+        _clear_stale_lock(build_dir)
         library = cpp_extension.load(
             name="specd_paged_attention",
             sources=[str(SOURCE)],
@@ -85,6 +89,18 @@ def paged_attention(
     return torch.ops.specd.paged_attention(
         query, key_pool, value_pool, block_table, query_start, context_start, block_size, scale
     )
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """torch's builder waits forever on the lock file of a build that was killed (a pod stopped
+    during its first start); no build takes minutes, so an old lock is a dead one."""
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            logger.warning("removed a stale kernel build lock: %s", lock)
+    except FileNotFoundError:
+        pass
 
 
 def _build_tag() -> str:

@@ -143,3 +143,28 @@ def test_failed_build_falls_back_to_the_gather(monkeypatch, tmp_path, caplog):
     use_paged_attention(True)
     assert kv_cache._PAGED is False  # asked for, but nothing to run: decode rows gather
     kv_cache._PAGED = was
+
+
+def test_a_killed_build_s_lock_does_not_hang_the_next_start(monkeypatch, tmp_path):
+    """torch's builder waits forever on a lock left by a build that was killed; an old one goes."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    build_dir = tmp_path / "kernels" / f"paged_attention-{paged_attention._build_tag()}"
+    build_dir.mkdir(parents=True)
+    lock = build_dir / "lock"
+    lock.touch()
+    old = time.time() - paged_attention.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    seen: list[bool] = []
+    monkeypatch.setattr(paged_attention, "_available", None)
+    monkeypatch.setattr(cpp_extension, "load", lambda **_: seen.append(lock.exists()) or None)
+    paged_attention.load(tmp_path)
+    assert seen == [False]
+    fresh = build_dir / "lock"
+    fresh.touch()  # a build running right now keeps its lock
+    monkeypatch.setattr(paged_attention, "_available", None)
+    paged_attention.load(tmp_path)
+    assert seen == [False, True]
