@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
+from models import paged_attention
 from models.eagle_head import EagleHead, load_head
 from models.forward import check_plain_logits
-from models.kv_cache import KVCache, paged_attention_enabled
+from models.kv_cache import KVCache
 from models.loader import LoadedModel, ModelConfig, check_draft_compatible, load_model
 from models.runner import ModelRunner, RunnerConfig
 from scheduler.kv_blocks import blocks_for
@@ -54,7 +55,7 @@ class ProposerConfig:
 
 def _cpu_attention_in_use() -> str:
     """How the target, loaded before us, reads its KV on CPU; a draft model reads alike."""
-    return "paged" if paged_attention_enabled() else "gather"
+    return "paged" if paged_attention.enabled() else "gather"
 
 
 def build_runner(

@@ -122,7 +122,7 @@ class LayoutPlan:
             token_index=None if token_index == list(range(total)) else token_index,
             pad_index=None if len(pad_index) == len(run) * max_q else pad_index,
             view_block=view_block,
-            paged=_PAGED and max_q == 1,
+            paged=max_q == 1 and paged_attention.enabled(),
         )
 
     def add_to(self, buf: HostBuffer, prefix: str) -> None:
@@ -364,13 +364,8 @@ def attend(
 def _attend_group(group: AttentionGroup, q, k_pool, v_pool, scaling, sliding_window) -> torch.Tensor:
     """q [n, H, D] (the group's tokens) -> [n, H, D]."""
     plan = group.plan
-    if _reads_in_place(group, q, sliding_window):
-        assert group.block_index is not None and group.query_start is not None
-        table = group.block_index.view(plan.num_rows, plan.num_blocks)
-        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        return paged_attention.paged_attention(
-            q, k_pool, v_pool, table, group.query_start, group.grid_start, group.block_size, scale
-        )
+    if paged_attention.reads(group, q, sliding_window):
+        return paged_attention.attend_group(group, q, k_pool, v_pool, scaling)
     num_heads, head_dim = q.shape[1], q.shape[2]
     s, max_q = plan.num_rows, plan.max_q
     if group.pad_index is None:
@@ -410,35 +405,6 @@ def _attend_group(group: AttentionGroup, q, k_pool, v_pool, scaling, sliding_win
             )  # [S, H, max_q, D]
     out = out.transpose(1, 2).reshape(s * max_q, num_heads, head_dim)
     return out if group.pad_index is None else out[group.pad_index]
-
-
-def _reads_in_place(group: AttentionGroup, query: torch.Tensor, sliding_window) -> bool:
-    """Decode groups whose keys would be gathered, on CPU, where the paged kernel is built
-    (`models.paged_attention`) and enabled. Verify rows and prefill chunks stay with the gather
-    and SDPA's blocked kernels: at 6-11 queries a row the kernel's dot products ran 2-3x slower
-    than the gather and SDPA (bf16 and float32, 2 cores), at 1 query 1.1-3.4x faster."""
-    return (
-        _PAGED
-        and group.block_index is not None
-        and group.plan.max_q == 1
-        and not sliding_window
-        and query.device.type == "cpu"
-        and query.dtype in (torch.float32, torch.bfloat16)
-    )
-
-
-# Whether decode groups on CPU read the pool in place (`use_paged_attention`).
-_PAGED = False
-
-
-def paged_attention_enabled() -> bool:
-    return _PAGED
-
-
-def use_paged_attention(enabled: bool) -> None:
-    """Read KV in place for decode groups on CPU (the kernel must be loaded)."""
-    global _PAGED
-    _PAGED = enabled and paged_attention.available()
 
 
 def _prefers_grouped(query, num_rows: int, max_q: int, max_kv: int) -> bool:

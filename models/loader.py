@@ -42,7 +42,7 @@ from transformers import (
 
 from models import paged_attention
 from models.forward import lean_forward
-from models.kv_cache import KVCache, tune_attention, use_paged_attention
+from models.kv_cache import KVCache, tune_attention
 from models.linear_kernels import UNTUNED, ModelKernels, tune_model
 
 logger = logging.getLogger("specd.models")
@@ -169,7 +169,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if cfg.tune_kernels and device.type == "cpu":
         tune_attention(*KVCache.heads(model.config), dtype)
     paged = device.type == "cpu" and cfg.cpu_attention == "paged"
-    use_paged_attention(paged and paged_attention.load(cfg.cache_dir or default_cache_dir()))
+    paged_attention.use(paged and paged_attention.load(cfg.cache_dir or default_cache_dir()))
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,

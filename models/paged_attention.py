@@ -20,8 +20,12 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from models.kv_cache import AttentionGroup
 
 logger = logging.getLogger("specd.models")
 
@@ -31,11 +35,22 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs o
 STALE_LOCK_S = 600  # a first build takes ~15 s on 2 cores
 
 _available: bool | None = None  # None: not tried in this process
+_enabled = False  # decode groups on CPU read the pool in place (`use`)
 
 
 def available() -> bool:
     """Whether `torch.ops.specd.paged_attention` is registered in this process."""
     return bool(_available)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def use(wanted: bool) -> None:
+    """Whether `models.kv_cache` sends CPU decode groups here (only where the kernel is loaded)."""
+    global _enabled
+    _enabled = wanted and available()
 
 
 def load(cache_dir: Path) -> bool:
@@ -72,6 +87,30 @@ def load(cache_dir: Path) -> bool:
     _available = hasattr(torch.ops.specd, "paged_attention")
     logger.info("paged attention kernel: %s (%.1fs)", library or build_dir, time.perf_counter() - started)
     return _available
+
+
+def reads(group: AttentionGroup, query: torch.Tensor, sliding_window: int | None) -> bool:
+    """Decode groups whose keys would be gathered, on CPU, with the kernel loaded and enabled.
+    Verify rows and prefill chunks stay with the gather and SDPA's blocked kernels: at 6-11
+    queries a row the kernel's dot products ran 2-3x slower than the gather and SDPA (bf16 and
+    float32, 2 cores), at 1 query 1.1-3.4x faster."""
+    return (
+        _enabled
+        and group.block_index is not None
+        and group.plan.max_q == 1
+        and not sliding_window
+        and query.device.type == "cpu"
+        and query.dtype in (torch.float32, torch.bfloat16)
+    )
+
+
+def attend_group(group: AttentionGroup, q, k_pool, v_pool, scaling: float | None) -> torch.Tensor:
+    """`models.kv_cache`'s attention for a group that `reads` takes: q [n, H, D] -> [n, H, D]."""
+    assert group.block_index is not None and group.query_start is not None
+    plan = group.plan
+    table = group.block_index.view(plan.num_rows, plan.num_blocks)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    return paged_attention(q, k_pool, v_pool, table, group.query_start, group.grid_start, group.block_size, scale)
 
 
 def paged_attention(

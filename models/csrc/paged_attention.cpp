@@ -80,13 +80,18 @@ void attend_rows(const at::Tensor& query, const at::Tensor& key_pool, const at::
       }
       const int64_t* blocks = table + row * blocks_per_row;
       const int64_t num_blocks = (num_keys + block_size - 1) / block_size;
+      // Block b of this row and head, [n, D] in float32 into `out` (the next block prefetched); n.
+      auto read_block = [&](const scalar_t* pool, int64_t b, float* out) {
+        const int64_t n = std::min(block_size, num_keys - b * block_size);
+        if (b + 1 < num_blocks) prefetch(pool + (head * pool_rows + blocks[b + 1] * block_size) * head_dim, block_size * head_dim);
+        const scalar_t* block = pool + (head * pool_rows + blocks[b] * block_size) * head_dim;
+        for (int64_t e = 0; e < n * head_dim; ++e) out[e] = load(block, e);
+        return n;
+      };
       // Scores block by block: a block's keys are contiguous [block, D] in the pool, converted to
       // float32 once and dotted with each of the item's query vectors.
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t j0 = b * block_size, n = std::min(block_size, num_keys - j0);
-        const int64_t base = (head * pool_rows + blocks[b] * block_size) * head_dim;
-        if (b + 1 < num_blocks) prefetch(k + (head * pool_rows + blocks[b + 1] * block_size) * head_dim, n * head_dim);
-        for (int64_t e = 0; e < n * head_dim; ++e) keys[e] = load(k, base + e);
+        const int64_t j0 = b * block_size, n = read_block(k, b, keys.data());
         for (int64_t x = 0; x < vectors; ++x) {
           const float* qv = queries.data() + x * head_dim;
           float* out_scores = scores.data() + x * num_keys + j0;
@@ -114,10 +119,7 @@ void attend_rows(const at::Tensor& query, const at::Tensor& key_pool, const at::
         std::fill(s + visible, s + num_keys, 0.0f);  // keys after this query's position
       }
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t j0 = b * block_size, n = std::min(block_size, num_keys - j0);
-        const int64_t base = (head * pool_rows + blocks[b] * block_size) * head_dim;
-        if (b + 1 < num_blocks) prefetch(v + (head * pool_rows + blocks[b + 1] * block_size) * head_dim, n * head_dim);
-        for (int64_t e = 0; e < n * head_dim; ++e) values[e] = load(v, base + e);
+        const int64_t j0 = b * block_size, n = read_block(v, b, values.data());
         for (int64_t x = 0; x < vectors; ++x) {
           const float* p = scores.data() + x * num_keys + j0;
           float* a = acc.data() + x * head_dim;

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import kv_cache, paged_attention
-from models.kv_cache import LayoutPlan, attend, use_paged_attention
+from models import paged_attention
+from models.kv_cache import LayoutPlan, attend
 from models.loader import default_cache_dir
 from models.transfer import HostBuffer
 
@@ -25,9 +25,9 @@ def kernel():
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler on this machine: the gather path serves (test_failed_build_falls_back)")
     assert paged_attention.load(default_cache_dir())
-    was = kv_cache._PAGED
+    was = paged_attention.enabled()
     yield paged_attention
-    kv_cache._PAGED = was
+    paged_attention.use(was)
 
 
 def pool_and_tables(
@@ -99,12 +99,12 @@ def test_attend_reads_decode_rows_in_place_and_leaves_verify_rows_to_sdpa(kernel
     monkeypatch.setattr(
         paged_attention, "paged_attention", lambda query, *a: calls.append(len(query)) or real(query, *a)
     )
-    use_paged_attention(True)
+    paged_attention.use(True)
     got = attend(layout_for(tables, starts, lens, block_size), q, k_pool, v_pool, 8**-0.5)
     assert calls == [2]  # the decode group's two queries; the verify group went to SDPA
     want = reference(q, k_pool, v_pool, tables, starts, lens, block_size, 8**-0.5)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
-    use_paged_attention(False)
+    paged_attention.use(False)
     calls.clear()
     gathered = attend(layout_for(tables, starts, lens, block_size), q, k_pool, v_pool, 8**-0.5)
     assert calls == []
@@ -118,7 +118,7 @@ def test_a_decode_row_reads_the_same_alone_as_among_others(kernel):
     block_size, starts = 16, [40, 7, 130, 64]
     k_pool, v_pool, tables = pool_and_tables(rng, starts, [1] * 4, block_size, 3, 64, torch.bfloat16)
     q = torch.randn(4, 9, 64, dtype=torch.bfloat16)
-    use_paged_attention(True)
+    paged_attention.use(True)
     together = attend(layout_for(tables, starts, [1] * 4, block_size), q, k_pool, v_pool, 0.125)
     for row in range(4):
         alone = attend(
@@ -133,16 +133,15 @@ def test_failed_build_falls_back_to_the_gather(monkeypatch, tmp_path, caplog):
     def no_compiler(**_):
         raise RuntimeError("Error building extension 'specd_paged_attention': c++: command not found")
 
-    was = kv_cache._PAGED
+    monkeypatch.setattr(paged_attention, "_enabled", paged_attention.enabled())  # restored after
     monkeypatch.setattr(paged_attention, "_available", None)
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     with caplog.at_level(logging.WARNING, logger="specd.models"):
         assert paged_attention.load(tmp_path) is False
     assert "paged attention kernel not built (Error building extension" in caplog.text
     assert not paged_attention.available()
-    use_paged_attention(True)
-    assert kv_cache._PAGED is False  # asked for, but nothing to run: decode rows gather
-    kv_cache._PAGED = was
+    paged_attention.use(True)
+    assert paged_attention.enabled() is False  # asked for, but nothing to run: decode rows gather
 
 
 def test_a_killed_build_s_lock_does_not_hang_the_next_start(monkeypatch, tmp_path):
