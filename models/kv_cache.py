@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from models import paged_attention
+from models import host_memory, paged_attention
 from models.transfer import DeviceArrays, HostBuffer
 from scheduler.kv_blocks import blocks_for
 
@@ -274,8 +274,10 @@ class KVCache:
         device: torch.device,
     ):
         shape = (num_kv_heads, num_blocks * block_size, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # One allocation for every layer's keys and values: on CPU it is advised onto huge pages.
+        pools = host_memory.zeros((2, num_layers, *shape), dtype, device)
+        self.keys = list(pools[0].unbind(0))
+        self.values = list(pools[1].unbind(0))
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layout: StepLayout | None = None

@@ -32,6 +32,7 @@ logger = logging.getLogger("specd.models")
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own libgomp
 
+MAX_HEAD_DIM = 256  # the kernel's per-key registers (kMaxHeadDim)
 STALE_LOCK_S = 600  # a first build takes ~15 s on 2 cores
 
 _available: bool | None = None  # None: not tried in this process
@@ -101,6 +102,7 @@ def reads(group: AttentionGroup, query: torch.Tensor, sliding_window: int | None
         and not sliding_window
         and query.device.type == "cpu"
         and query.dtype in (torch.float32, torch.bfloat16)
+        and query.shape[-1] <= MAX_HEAD_DIM
     )
 
 

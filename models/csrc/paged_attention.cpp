@@ -6,7 +6,9 @@
 // One work item is a (row, KV head) pair: the row's queries for every query head of that KV
 // head's group, scored against the row's causal range, softmaxed and summed over the values,
 // all in float32. Each item is computed by one thread in a fixed order, so a row's output does
-// not depend on the thread count or on which other rows share the step.
+// not depend on the thread count or on which other rows share the step. Keys are dotted a whole
+// head-dim row at a time in SIMD vectors (one horizontal sum a key), values summed the same way:
+// 1.2-1.4x the scalar-per-element loops this replaced at 16-32 decode rows (bf16 and float32).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,18 +19,89 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
+// Vectors as wide as the float SIMD this was compiled for (-march=native): 16 lanes with
+// AVX-512, 8 with AVX2 (GCC/Clang vector extensions, so one source serves both).
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxChunks = kMaxHeadDim / kLanes;
+typedef float fvec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint32_t uvec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t hvec __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 
-inline float load(const at::BFloat16* p, int64_t i) {
-  // bf16 is the top half of a float32: a shift, which the compiler vectorizes.
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
+inline fvec load_vec(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline fvec load_vec(const at::BFloat16* p) {
+  // bf16 is the top half of a float32: widen and shift.
+  hvec half;
+  std::memcpy(&half, p, sizeof(half));
+  return reinterpret_cast<fvec>(__builtin_convertvector(half, uvec) << 16);
+}
+
+// The first `count` (< kLanes) values at p, the other lanes zero.
+template <typename scalar_t>
+inline fvec load_part(const scalar_t* p, int64_t count) {
+  fvec v{};
+  for (int64_t l = 0; l < count; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+}
+
+inline void store(float* p, float value) { *p = value; }
+inline void store(at::BFloat16* p, float value) { *p = at::BFloat16(value); }
+
+// v plus v rotated down by `shift` lanes (shuffle indices past kLanes read the second operand,
+// v again, so index i + shift is lane (i + shift) mod kLanes).
+template <int64_t shift>
+inline fvec fold(fvec v) {
+#if defined(__AVX512F__)
+  return v + __builtin_shufflevector(v, v, 0 + shift, 1 + shift, 2 + shift, 3 + shift, 4 + shift, 5 + shift,
+                                     6 + shift, 7 + shift, 8 + shift, 9 + shift, 10 + shift, 11 + shift,
+                                     12 + shift, 13 + shift, 14 + shift, 15 + shift);
+#else
+  return v + __builtin_shufflevector(v, v, 0 + shift, 1 + shift, 2 + shift, 3 + shift, 4 + shift, 5 + shift,
+                                     6 + shift, 7 + shift);
+#endif
+}
+
+// The sum of v's lanes: halve until lane 0 holds it.
+inline float hsum(fvec v) {
+  if constexpr (kLanes == 16) v = fold<8>(v);
+  return fold<1>(fold<2>(fold<4>(v)))[0];
+}
+
+// e^x lane by lane for x <= 0 (softmax exponents after subtracting the peak): x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7, expf's own order),
+// 2^n put straight into the exponent bits. Below -87 the result is 0, as expf's underflow is.
+inline fvec exp_nonpositive(fvec x) {
+  typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+  const fvec zero{}, floor_x = zero - 87.0f;
+  const auto underflow = x < floor_x;
+  x = underflow ? floor_x : x;
+  const fvec scaled = x * 1.44269504088896341f - 0.5f;  // x / ln2, rounded below to the nearest integer
+  ivec n = __builtin_convertvector(scaled, ivec);        // truncates toward zero: scaled <= 0 rounds up
+  const fvec nf = __builtin_convertvector(n, fvec);
+  const fvec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln2 in two parts, exact first product
+  fvec p = zero + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const fvec result = reinterpret_cast<fvec>(reinterpret_cast<ivec>(p) + (n << 23));
+  return underflow ? zero : result;
 }
 
 // The next block sits anywhere in the pool: ask for its cache lines while this one is computed.
@@ -39,16 +112,137 @@ inline void prefetch(const scalar_t* p, int64_t count) {
     __builtin_prefetch(bytes + offset);
 }
 
-inline void store(float* p, int64_t i, float value) { p[i] = value; }
-inline void store(at::BFloat16* p, int64_t i, float value) { p[i] = at::BFloat16(value); }
+// A head-dim row as `chunks` float vectors. kChunks > 0: the head dim is kChunks * kLanes, known
+// at compile time, and every chunk is one load. kChunks == 0: any head dim; the last chunk is
+// read element by element and padded with zeros, which add nothing to dots or sums.
+template <typename scalar_t, int64_t kChunks>
+struct Rows {
+  int64_t head_dim, chunks;
 
-template <typename scalar_t>
+  explicit Rows(int64_t dim) : head_dim(dim), chunks(kChunks ? kChunks : (dim + kLanes - 1) / kLanes) {}
+
+  fvec load(const scalar_t* row, int64_t c) const {
+    if (kChunks != 0 || (c + 1) * kLanes <= head_dim) return load_vec(row + c * kLanes);
+    return load_part(row + c * kLanes, head_dim - c * kLanes);
+  }
+};
+
+struct Scratch {
+  std::vector<fvec> queries, acc;
+  std::vector<float> scores, values;
+};
+
+struct Geometry {
+  int64_t num_heads, kv_heads, group, head_dim, pool_rows, block_size;
+  float scale;
+};
+
+// One work item: a row's queries for every query head of KV head `head`, scored against the
+// row's causal range, softmaxed and summed over the values, in float32.
+template <typename scalar_t, int64_t kChunks>
+void attend_item(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o, const int64_t* blocks,
+                 int64_t first, int64_t num_q, int64_t start, int64_t head, const Geometry& geo, Scratch& scratch) {
+  const Rows<scalar_t, kChunks> rows(geo.head_dim);
+  const int64_t C = kChunks ? kChunks : rows.chunks, D = geo.head_dim, bs = geo.block_size;
+  const int64_t num_keys = start + num_q;  // query i sits at position start + i, sees keys 0..start + i
+  const int64_t vectors = num_q * geo.group;  // vector x = (i, g): query i, head head * group + g
+  const int64_t num_blocks = (num_keys + bs - 1) / bs;
+  auto& queries = scratch.queries;
+  auto& scores = scratch.scores;
+  queries.resize(vectors * C);
+  scores.resize(vectors * num_keys);
+  scratch.values.resize(bs * C * kLanes);
+  scratch.acc.assign(vectors * C, fvec{});
+  auto head_row = [&](int64_t i, int64_t g) { return ((first + i) * geo.num_heads + head * geo.group + g) * D; };
+  for (int64_t i = 0; i < num_q; ++i)
+    for (int64_t g = 0; g < geo.group; ++g)
+      for (int64_t c = 0; c < C; ++c) queries[(i * geo.group + g) * C + c] = rows.load(q + head_row(i, g), c) * geo.scale;
+  // Block b of this head in a pool: n rows of D, contiguous.
+  auto block_at = [&](const scalar_t* pool, int64_t b) { return pool + (head * geo.pool_rows + blocks[b] * bs) * D; };
+
+  // Scores: each key is loaded (and widened) once, then dotted with every query vector.
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t j0 = b * bs, n = std::min(bs, num_keys - j0);
+    if (b + 1 < num_blocks) prefetch(block_at(k, b + 1), bs * D);
+    const scalar_t* block = block_at(k, b);
+    for (int64_t jj = 0; jj < n; ++jj) {
+      fvec key[kChunks ? kChunks : kMaxChunks];
+      for (int64_t c = 0; c < C; ++c) key[c] = rows.load(block + jj * D, c);
+      for (int64_t x = 0; x < vectors; ++x) {
+        const fvec* qv = queries.data() + x * C;
+        fvec dot = qv[0] * key[0];
+        for (int64_t c = 1; c < C; ++c) dot += qv[c] * key[c];
+        scores[x * num_keys + j0 + jj] = hsum(dot);
+      }
+    }
+  }
+  // Softmax over each query's visible keys, kLanes at a time (the tail lanes padded so that
+  // they take no part: -inf for the peak, 0 for the total).
+  for (int64_t x = 0; x < vectors; ++x) {
+    float* s = scores.data() + x * num_keys;
+    const int64_t visible = start + x / geo.group + 1;
+    const int64_t whole = visible - visible % kLanes;
+    const fvec lowest = fvec{} - std::numeric_limits<float>::infinity();
+    fvec peaks = lowest;
+    for (int64_t j = 0; j < whole; j += kLanes) {
+      const fvec value = load_vec(s + j);
+      peaks = value > peaks ? value : peaks;
+    }
+    float peak = -std::numeric_limits<float>::infinity();
+    for (int64_t l = 0; l < kLanes; ++l) peak = std::max(peak, peaks[l]);
+    for (int64_t j = whole; j < visible; ++j) peak = std::max(peak, s[j]);
+    fvec totals{};
+    for (int64_t j = 0; j < whole; j += kLanes) {
+      const fvec e = exp_nonpositive(load_vec(s + j) - peak);
+      std::memcpy(s + j, &e, sizeof(e));
+      totals += e;
+    }
+    float total = hsum(totals);
+    if (whole < visible) {
+      const fvec e = exp_nonpositive(load_part(s + whole, visible - whole) - peak);
+      for (int64_t l = 0; l < visible - whole; ++l) {
+        s[whole + l] = e[l];
+        total += e[l];
+      }
+    }
+    const float norm = 1.0f / total;
+    for (int64_t j = 0; j < visible; ++j) s[j] *= norm;
+    std::fill(s + visible, s + num_keys, 0.0f);  // keys after this query's position
+  }
+  // Values: a block is widened once into float32, then each query vector sums it in registers.
+  float* values = scratch.values.data();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t j0 = b * bs, n = std::min(bs, num_keys - j0);
+    if (b + 1 < num_blocks) prefetch(block_at(v, b + 1), bs * D);
+    const scalar_t* block = block_at(v, b);
+    for (int64_t jj = 0; jj < n; ++jj)
+      for (int64_t c = 0; c < C; ++c) {
+        const fvec value = rows.load(block + jj * D, c);
+        std::memcpy(values + (jj * C + c) * kLanes, &value, sizeof(value));
+      }
+    for (int64_t x = 0; x < vectors; ++x) {
+      const float* p = scores.data() + x * num_keys + j0;
+      fvec sum[kChunks ? kChunks : kMaxChunks];
+      for (int64_t c = 0; c < C; ++c) sum[c] = scratch.acc[x * C + c];
+      for (int64_t jj = 0; jj < n; ++jj)
+        for (int64_t c = 0; c < C; ++c) sum[c] += p[jj] * load_vec(values + (jj * C + c) * kLanes);
+      for (int64_t c = 0; c < C; ++c) scratch.acc[x * C + c] = sum[c];
+    }
+  }
+  for (int64_t i = 0; i < num_q; ++i)
+    for (int64_t g = 0; g < geo.group; ++g) {
+      const fvec* a = scratch.acc.data() + (i * geo.group + g) * C;
+      scalar_t* dst = o + head_row(i, g);
+      for (int64_t d = 0; d < D; ++d) store(dst + d, a[d / kLanes][d % kLanes]);
+    }
+}
+
+// Every (row, KV head) item, on torch's thread pool. Each item is computed by one thread in a
+// fixed order, so a row's output does not depend on the thread count or on the other rows.
+template <typename scalar_t, int64_t kChunks>
 void attend_rows(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
                  const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& context_start,
-                 int64_t block_size, double scale, at::Tensor& out) {
-  const int64_t num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t kv_heads = key_pool.size(0), pool_rows = key_pool.size(1);
-  const int64_t group = num_heads / kv_heads;
+                 const Geometry& geo, at::Tensor& out) {
   const int64_t num_rows = block_table.size(0), blocks_per_row = block_table.size(1);
   const scalar_t* q = query.data_ptr<scalar_t>();
   const scalar_t* k = key_pool.data_ptr<scalar_t>();
@@ -57,89 +251,34 @@ void attend_rows(const at::Tensor& query, const at::Tensor& key_pool, const at::
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* q_start = query_start.data_ptr<int64_t>();
   const int64_t* ctx_start = context_start.data_ptr<int64_t>();
-  const float softmax_scale = static_cast<float>(scale);
-
-  at::parallel_for(0, num_rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries, scores, acc;
-    std::vector<float> keys(block_size * head_dim), values(block_size * head_dim);
+  at::parallel_for(0, num_rows * geo.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / kv_heads, head = item % kv_heads;
-      const int64_t first = q_start[row], num_q = q_start[row + 1] - first;
-      const int64_t start = ctx_start[row];  // query i sits at position start + i, sees keys 0..start + i
-      const int64_t num_keys = start + num_q;
-      const int64_t vectors = num_q * group;  // vector x = (i, g): query i, head head * group + g
-      queries.resize(vectors * head_dim);
-      scores.resize(vectors * num_keys);
-      acc.assign(vectors * head_dim, 0.0f);
-      for (int64_t i = 0; i < num_q; ++i) {
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t src = ((first + i) * num_heads + head * group + g) * head_dim;
-          float* dst = queries.data() + (i * group + g) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = load(q, src + d) * softmax_scale;
-        }
-      }
-      const int64_t* blocks = table + row * blocks_per_row;
-      const int64_t num_blocks = (num_keys + block_size - 1) / block_size;
-      // Block b of this row and head, [n, D] in float32 into `out` (the next block prefetched); n.
-      auto read_block = [&](const scalar_t* pool, int64_t b, float* out) {
-        const int64_t n = std::min(block_size, num_keys - b * block_size);
-        if (b + 1 < num_blocks) prefetch(pool + (head * pool_rows + blocks[b + 1] * block_size) * head_dim, block_size * head_dim);
-        const scalar_t* block = pool + (head * pool_rows + blocks[b] * block_size) * head_dim;
-        for (int64_t e = 0; e < n * head_dim; ++e) out[e] = load(block, e);
-        return n;
-      };
-      // Scores block by block: a block's keys are contiguous [block, D] in the pool, converted to
-      // float32 once and dotted with each of the item's query vectors.
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t j0 = b * block_size, n = read_block(k, b, keys.data());
-        for (int64_t x = 0; x < vectors; ++x) {
-          const float* qv = queries.data() + x * head_dim;
-          float* out_scores = scores.data() + x * num_keys + j0;
-          for (int64_t jj = 0; jj < n; ++jj) {
-            const float* kj = keys.data() + jj * head_dim;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qv[d] * kj[d];
-            out_scores[jj] = dot;
-          }
-        }
-      }
-      for (int64_t x = 0; x < vectors; ++x) {
-        float* s = scores.data() + x * num_keys;
-        const int64_t visible = start + x / group + 1;
-        float peak = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < visible; ++j) peak = std::max(peak, s[j]);
-        float total = 0.0f;
-        for (int64_t j = 0; j < visible; ++j) {
-          s[j] = std::exp(s[j] - peak);
-          total += s[j];
-        }
-        const float norm = 1.0f / total;
-        for (int64_t j = 0; j < visible; ++j) s[j] *= norm;
-        std::fill(s + visible, s + num_keys, 0.0f);  // keys after this query's position
-      }
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t j0 = b * block_size, n = read_block(v, b, values.data());
-        for (int64_t x = 0; x < vectors; ++x) {
-          const float* p = scores.data() + x * num_keys + j0;
-          float* a = acc.data() + x * head_dim;
-          for (int64_t jj = 0; jj < n; ++jj) {
-            const float weight = p[jj];
-            const float* vj = values.data() + jj * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * vj[d];
-          }
-        }
-      }
-      for (int64_t i = 0; i < num_q; ++i) {
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t dst = ((first + i) * num_heads + head * group + g) * head_dim;
-          const float* a = acc.data() + (i * group + g) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) store(o, dst + d, a[d]);
-        }
-      }
+      const int64_t row = item / geo.kv_heads, head = item % geo.kv_heads;
+      attend_item<scalar_t, kChunks>(q, k, v, o, table + row * blocks_per_row, q_start[row],
+                                     q_start[row + 1] - q_start[row], ctx_start[row], head, geo, scratch);
     }
   });
+}
+
+// The head dims that models use get an unrolled instance; any other runs the padded one.
+template <typename scalar_t>
+void attend_dispatch(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
+                     const at::Tensor& block_table, const at::Tensor& query_start,
+                     const at::Tensor& context_start, const Geometry& geo, at::Tensor& out) {
+  const auto run = [&](auto chunks) {
+    attend_rows<scalar_t, decltype(chunks)::value>(query, key_pool, value_pool, block_table, query_start,
+                                                   context_start, geo, out);
+  };
+  const int64_t chunks = geo.head_dim % kLanes == 0 ? geo.head_dim / kLanes : 0;
+  switch (chunks) {
+    case 1: return run(std::integral_constant<int64_t, 1>{});
+    case 2: return run(std::integral_constant<int64_t, 2>{});
+    case 4: return run(std::integral_constant<int64_t, 4>{});
+    case 8: return run(std::integral_constant<int64_t, 8>{});
+    case 16: return run(std::integral_constant<int64_t, 16>{});
+    default: return run(std::integral_constant<int64_t, 0>{});
+  }
 }
 
 // query [T, H, D] (rows' queries back to back); pools [KVH, slots, D]; block_table [rows, blocks]
@@ -159,13 +298,16 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_pool, 
                   context_start.scalar_type() == at::kLong, "paged_attention: int64 indices");
   TORCH_CHECK(query_start.numel() == block_table.size(0) + 1 && context_start.numel() == block_table.size(0),
               "paged_attention: one query range and one start per row");
+  TORCH_CHECK(query.size(2) <= kMaxHeadDim, "paged_attention: head dim over ", kMaxHeadDim);
   at::Tensor q = query.contiguous(), k = key_pool.contiguous(), v = value_pool.contiguous();
   at::Tensor table = block_table.contiguous(), q_start = query_start.contiguous(), start = context_start.contiguous();
   at::Tensor out = at::empty_like(q);
+  const int64_t heads = q.size(1), kv_heads = k.size(0);
+  const Geometry geo{heads, kv_heads, heads / kv_heads, q.size(2), k.size(1), block_size, static_cast<float>(scale)};
   if (q.scalar_type() == at::kFloat) {
-    attend_rows<float>(q, k, v, table, q_start, start, block_size, scale, out);
+    attend_dispatch<float>(q, k, v, table, q_start, start, geo, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    attend_rows<at::BFloat16>(q, k, v, table, q_start, start, block_size, scale, out);
+    attend_dispatch<at::BFloat16>(q, k, v, table, q_start, start, geo, out);
   } else {
     TORCH_CHECK(false, "paged_attention: float32 or bfloat16, not ", q.scalar_type());
   }

@@ -65,9 +65,20 @@ def reference(q, k_pool, v_pool, tables, starts, lens, block_size, scale) -> tor
 @pytest.mark.parametrize("block_size", [16, 5, 1])
 @pytest.mark.parametrize("queries", [1, 4])
 def test_kernel_matches_attention_over_gathered_keys(kernel, dtype, tolerance, heads, kv_heads, block_size, queries):
-    rng = random.Random(f"{dtype}{heads}{block_size}{queries}")
+    check_kernel(kernel, dtype, tolerance, heads, kv_heads, block_size, queries, head_dim=16)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim", [8, 20, 24, 64, 128, 256])
+def test_kernel_matches_at_every_head_dim(kernel, dtype, tolerance, head_dim):
+    """Head dims that fill whole SIMD vectors (unrolled) and ones that leave a padded tail
+    (20 fills neither 8- nor 16-lane vectors, 24 only 8-lane ones)."""
+    check_kernel(kernel, dtype, tolerance, 8, 2, 16, 1, head_dim)
+
+
+def check_kernel(kernel, dtype, tolerance, heads, kv_heads, block_size, queries, head_dim):
+    rng = random.Random(f"{dtype}{heads}{block_size}{queries}{head_dim}")
     torch.manual_seed(rng.randrange(1 << 30))
-    head_dim = 16
     starts = [0, 1, 15, 16, 33, rng.randrange(60)]
     lens = [queries] * len(starts)
     k_pool, v_pool, tables = pool_and_tables(rng, starts, lens, block_size, kv_heads, head_dim, dtype)
@@ -109,6 +120,21 @@ def test_attend_reads_decode_rows_in_place_and_leaves_verify_rows_to_sdpa(kernel
     gathered = attend(layout_for(tables, starts, lens, block_size), q, k_pool, v_pool, 8**-0.5)
     assert calls == []
     torch.testing.assert_close(gathered, got, atol=1e-5, rtol=1e-5)
+
+
+def test_a_head_dim_past_the_kernel_s_limit_stays_with_the_gather(kernel, monkeypatch):
+    rng = random.Random(2)
+    head_dim = paged_attention.MAX_HEAD_DIM + 32
+    block_size, starts, lens = 4, [9, 3], [1, 1]
+    k_pool, v_pool, tables = pool_and_tables(rng, starts, lens, block_size, 1, head_dim, torch.float32)
+    q = torch.randn(2, 2, head_dim)
+    calls: list[int] = []
+    monkeypatch.setattr(paged_attention, "paged_attention", lambda query, *a: calls.append(len(query)))
+    paged_attention.use(True)
+    got = attend(layout_for(tables, starts, lens, block_size), q, k_pool, v_pool, head_dim**-0.5)
+    assert calls == []
+    want = reference(q, k_pool, v_pool, tables, starts, lens, block_size, head_dim**-0.5)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_a_decode_row_reads_the_same_alone_as_among_others(kernel):
