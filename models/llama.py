@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from models import layer_ops
 from models.kv_cache import KVCache, StepLayout, attend, text_config
 from models.linear_kernels import PACKED, STANDARD, KernelTable, TunedLinear, linear, pack
 
@@ -166,31 +166,24 @@ class LlamaForward:
             raise ValueError(f"layers {list(layers)} are not all among the model's 1..{len(self.layers)}")
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        num_rotated = (heads + kv_heads) * head_dim  # queries and keys, side by side
         x = self.embed(input_ids)  # [T, H]
-        cos, sin = self.rotary(x[None], layout.token_pos[None])  # [1, T, D] each
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]: every head alike
-        # rotate_half(x) * sin == roll(x, D / 2) * [-sin, sin] (halves): one roll, exact.
-        half = head_dim // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        ops = layer_ops.for_step(x, cache.keys[0])
+        cos, sin = self.rotary(x[None], layout.token_pos[None])  # [1, T, D] each: every head alike
+        tables = ops.rotary_tables(cos[0], sin[0])
         wanted = {i for i in layers if i < len(self.layers)}  # the last index is the final norm's output
         kept: dict[int, torch.Tensor] = {}
+        delta: torch.Tensor | None = None  # the last MLP's output, added to x by the next norm
         for index, (layer, k_pool, v_pool) in enumerate(zip(self.layers, cache.keys, cache.values), start=1):
-            h = _rms_norm(x, layer.input_norm, layer.input_eps)
-            qkv = layer.qkv(h)  # [T, (heads + 2 kv_heads) * D]
-            qk = qkv[:, :num_rotated].view(num_tokens, heads + kv_heads, head_dim)
-            qk = qk * cos + qk.roll(half, -1) * sin
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, num_rotated:].view(num_tokens, kv_heads, head_dim)
-            k_pool.index_copy_(1, layout.token_dest, k.transpose(0, 1).to(k_pool.dtype))
-            v_pool.index_copy_(1, layout.token_dest, v.transpose(0, 1).to(v_pool.dtype))
+            x, h = ops.add_norm(x, delta, layer.input_norm, layer.input_eps)
+            q = ops.rotate_and_store(layer.qkv(h), tables, k_pool, v_pool, layout.token_dest, heads, kv_heads)
             out = attend(layout, q, k_pool, v_pool, self.scaling)  # [T, heads, D]
-            x = x + layer.o_proj(out.reshape(num_tokens, heads * head_dim))
-            gate, up = layer.gate_up(_rms_norm(x, layer.post_attention_norm, layer.post_attention_eps)).chunk(2, -1)
-            x = x + layer.down_proj(F.silu(gate) * up)
+            attended = layer.o_proj(out.reshape(num_tokens, heads * head_dim))
+            x, h = ops.add_norm(x, attended, layer.post_attention_norm, layer.post_attention_eps)
+            delta = layer.down_proj(ops.silu_mul(layer.gate_up(h)))
             if index in wanted:
+                x, delta = x + delta, None
                 kept[index] = x
-        last = _rms_norm(x, self.norm, self.norm_eps)
+        x, last = ops.add_norm(x, delta, self.norm, self.norm_eps)
         rows = last if isinstance(keep, int) else last.index_select(0, keep)  # keep 0: every row
         logits = self.lm_head(rows)  # the model's dtype: callers convert where they need float32
         if not layers:
@@ -205,8 +198,3 @@ def _sliding_window(config) -> bool:
     if config.model_type == "qwen2":  # Qwen2 configs carry a window they do not use unless asked
         return bool(getattr(config, "use_sliding_window", False))
     return bool(getattr(config, "sliding_window", None))
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: in float32, then scaled in the input's dtype (the same bits)."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)

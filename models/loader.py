@@ -40,7 +40,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from models import paged_attention
+from models import cpu_kernels, layer_ops, paged_attention
 from models.forward import lean_forward
 from models.kv_cache import KVCache, tune_attention
 from models.linear_kernels import UNTUNED, ModelKernels, tune_model
@@ -168,8 +168,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         lean.use_kernels(kernels.layers)
     if cfg.tune_kernels and device.type == "cpu":
         tune_attention(*KVCache.heads(model.config), dtype)
-    paged = device.type == "cpu" and cfg.cpu_attention == "paged"
-    paged_attention.use(paged and paged_attention.load(cfg.cache_dir or default_cache_dir()))
+    built = device.type == "cpu" and cpu_kernels.load(cfg.cache_dir or default_cache_dir())
+    paged_attention.use(built and cfg.cpu_attention == "paged")
+    layer_ops.use(built)
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,

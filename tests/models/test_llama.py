@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 
-from models import forward
+from models import forward, layer_ops
 from models.forward import forward_with_hidden, hf_forward_with_hidden, lean_forward
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, LayoutPlan
 from models.llama import LlamaForward
@@ -39,8 +39,14 @@ def test_models_it_does_not_know_exactly_run_transformers_forward(config):
     assert LlamaForward.build(model) is None
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-ops", "fused-ops"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_same_logits_kv_and_hidden_states_as_transformers_forward(tiny_llama_dir, dtype):
+def test_same_logits_kv_and_hidden_states_as_transformers_forward(tiny_llama_dir, dtype, fused, request, monkeypatch):
+    if fused:
+        request.getfixturevalue("built_kernels")
+    monkeypatch.setattr(layer_ops, "_fused", layer_ops.enabled())  # restored after
+    layer_ops.use(fused)
+    assert layer_ops.enabled() is fused
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=dtype).eval()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     lean = lean_forward(model)

@@ -1,11 +1,9 @@
-"""models.paged_attention: the in-place kernel against plain attention over gathered keys, the
-dispatch in `models.kv_cache.attend`, and the gather path where the kernel cannot be built."""
+"""models.paged_attention: the in-place kernel against plain attention over gathered keys, and
+the dispatch in `models.kv_cache.attend` (the build and its fallback: test_cpu_kernels.py)."""
 
 from __future__ import annotations
 
-import logging
 import random
-import shutil
 
 import pytest
 import torch
@@ -13,21 +11,12 @@ import torch.nn.functional as F
 
 from models import paged_attention
 from models.kv_cache import LayoutPlan, attend
-from models.loader import default_cache_dir
 from models.transfer import HostBuffer
-
-HAS_COMPILER = any(shutil.which(name) for name in ("c++", "g++"))
 
 
 @pytest.fixture
-def kernel():
-    """The kernel, built as a server builds it; with a compiler at hand it must build."""
-    if not HAS_COMPILER:
-        pytest.skip("no C++ compiler on this machine: the gather path serves (test_failed_build_falls_back)")
-    assert paged_attention.load(default_cache_dir())
-    was = paged_attention.enabled()
-    yield paged_attention
-    paged_attention.use(was)
+def kernel(built_kernels):
+    return paged_attention
 
 
 def pool_and_tables(
@@ -151,45 +140,3 @@ def test_a_decode_row_reads_the_same_alone_as_among_others(kernel):
             layout_for([tables[row]], [starts[row]], [1], block_size), q[row : row + 1], k_pool, v_pool, 0.125
         )
         assert torch.equal(alone[0], together[row])
-
-
-def test_failed_build_falls_back_to_the_gather(monkeypatch, tmp_path, caplog):
-    from torch.utils import cpp_extension
-
-    def no_compiler(**_):
-        raise RuntimeError("Error building extension 'specd_paged_attention': c++: command not found")
-
-    monkeypatch.setattr(paged_attention, "_enabled", paged_attention.enabled())  # restored after
-    monkeypatch.setattr(paged_attention, "_available", None)
-    monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="specd.models"):
-        assert paged_attention.load(tmp_path) is False
-    assert "paged attention kernel not built (Error building extension" in caplog.text
-    assert not paged_attention.available()
-    paged_attention.use(True)
-    assert paged_attention.enabled() is False  # asked for, but nothing to run: decode rows gather
-
-
-def test_a_killed_build_s_lock_does_not_hang_the_next_start(monkeypatch, tmp_path):
-    """torch's builder waits forever on a lock left by a build that was killed; an old one goes."""
-    import os
-    import time
-
-    from torch.utils import cpp_extension
-
-    build_dir = tmp_path / "kernels" / f"paged_attention-{paged_attention._build_tag()}"
-    build_dir.mkdir(parents=True)
-    lock = build_dir / "lock"
-    lock.touch()
-    old = time.time() - paged_attention.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    seen: list[bool] = []
-    monkeypatch.setattr(paged_attention, "_available", None)
-    monkeypatch.setattr(cpp_extension, "load", lambda **_: seen.append(lock.exists()) or None)
-    paged_attention.load(tmp_path)
-    assert seen == [False]
-    fresh = build_dir / "lock"
-    fresh.touch()  # a build running right now keeps its lock
-    monkeypatch.setattr(paged_attention, "_available", None)
-    paged_attention.load(tmp_path)
-    assert seen == [False, True]
