@@ -31,7 +31,7 @@ HEADERS = [CSRC / "simd.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own libgomp
 OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_mul", "rotary_kv")
 
-STALE_LOCK_S = 600  # a first build takes ~30 s on 2 cores
+STALE_LOCK_S = 600  # a first build takes ~15 s on 2 cores
 
 _available: bool | None = None  # None: not tried in this process
 

@@ -121,15 +121,18 @@ class Settings(BaseSettings):
     )
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N.")
     cache_dir: Path | None = Field(
-        None, description="Where converted GGUF weights are cached (default ~/.cache/specd)."
+        None,
+        description="Where converted GGUF weights and the CPU kernels built for this machine are cached "
+        "(default ~/.cache/specd).",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of --model.")
     trust_remote_code: bool = Field(False, description="Allow model code from the Hub repository to run.")
     cpu_attention: Literal["paged", "gather"] = Field(
         "paged",
         description="On CPU, how decode rows read the paged KV cache: paged (a C++ kernel reads each row's blocks "
-        "in place; compiled for this CPU on first start, ~15 s, cached under --cache-dir; needs a C++ compiler, "
-        "else gather with a warning) or gather (each row's blocks copied out for SDPA every layer).",
+        "in place; built with specd's CPU kernels for this CPU on first start, ~15 s, cached under --cache-dir; "
+        "needs a C++ compiler, else gather with a warning) or gather (each row's blocks copied out for SDPA "
+        "every layer).",
     )
     tune_kernels: bool = Field(
         True,
