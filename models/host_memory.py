@@ -37,9 +37,9 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """madvise(MADV_HUGEPAGE) over the whole 2 MB pages inside `tensor`'s storage; False where
     the OS has no such advice or refuses it (the tensor is unchanged either way)."""
     libc = _load_libc()
-    nbytes = tensor.untyped_storage().nbytes()
-    start = (tensor.data_ptr() + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
-    end = (tensor.data_ptr() + nbytes) & ~(HUGE_PAGE - 1)
+    storage = tensor.untyped_storage()  # the whole allocation, whatever view `tensor` is
+    start = (storage.data_ptr() + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+    end = (storage.data_ptr() + storage.nbytes()) & ~(HUGE_PAGE - 1)
     if libc is None or end <= start:
         return False
     if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) != 0:

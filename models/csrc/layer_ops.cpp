@@ -3,12 +3,14 @@
 // at a few tokens a step every operation's dispatch costs more than its arithmetic (on 2 cores
 // ~9 ms of a 29 ms SmolLM2 decode step were such operations). Each function here makes one pass
 // over its rows and rounds where the torch operations it replaces round (a bf16 result per
-// operation), so the lean forward computes the same values either way, to float32 rounding.
+// operation), so the lean forward computes the same values either way: the same bf16 bits for
+// the rotation and the adds, within float32 rounding elsewhere (see simd.h on FMA).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -129,13 +131,14 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // qkv [T, (H + 2 KVH) * D] -> queries [T, H, D] rotated; keys rotated and values copied into rows
 // `dest` [T] of the pools [KVH, slots, D]. The rotation is x * cos + roll(x, D / 2) * sin with sin
 // [T, D] already negated on its first half; cos and sin in the dtype, a rounding per product
-// and per sum as the torch expression has.
+// and per sum as the torch expression has (in bf16; see simd.h on float32).
 at::Tensor rotary_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pool,
                      at::Tensor v_pool, const at::Tensor& dest, int64_t heads, int64_t kv_heads) {
   const int64_t tokens = qkv.size(0), dim = k_pool.size(2), half = dim / 2, slots = k_pool.size(1);
   TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
               "rotary_kv: qkv is not [T, (H + 2 KVH) * D]");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == tokens && cos.size(1) == dim, "rotary_kv: cos/sin [T, D]");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == tokens && cos.size(1) == dim,
+              "rotary_kv: cos/sin [T, D]");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes() &&
                   k_pool.size(0) == kv_heads, "rotary_kv: pools [KVH, slots, D], contiguous");
   TORCH_CHECK(dim % 2 == 0 && dest.scalar_type() == at::kLong && dest.numel() == tokens, "rotary_kv: dest [T] int64");

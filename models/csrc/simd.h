@@ -1,7 +1,9 @@
 // Float SIMD for specd's CPU kernels, as wide as the machine they were compiled for
 // (-march=native): 16 lanes with AVX-512, 8 with AVX2 or less. GCC/Clang vector extensions,
 // so one source serves every x86 and Arm machine; bf16 is widened to float32 for arithmetic
-// and rounded back to nearest-even, as torch's own bf16 operations do.
+// and rounded back to nearest-even, as torch's own bf16 operations do. In float32 the compiler
+// may fuse a multiply and an add into one rounding (FMA) where torch rounds twice: the values
+// differ from torch's by float32 rounding, as any reordering would.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -73,10 +75,11 @@ inline fvec round_as(fvec v) {
   }
 }
 
-// v plus v rotated down by `shift` lanes (shuffle indices past kLanes read the second operand,
-// v again, so index i + shift is lane (i + shift) mod kLanes).
-template <int64_t shift>
+// v plus v rotated down by `shift` lanes. GCC < 12 has no __builtin_shufflevector, Clang no
+// __builtin_shuffle: each gets the one it has.
+template <int shift>
 inline fvec fold(fvec v) {
+#if defined(__clang__)
 #if defined(__AVX512F__)
   return v + __builtin_shufflevector(v, v, 0 + shift, 1 + shift, 2 + shift, 3 + shift, 4 + shift, 5 + shift,
                                      6 + shift, 7 + shift, 8 + shift, 9 + shift, 10 + shift, 11 + shift,
@@ -84,6 +87,11 @@ inline fvec fold(fvec v) {
 #else
   return v + __builtin_shufflevector(v, v, 0 + shift, 1 + shift, 2 + shift, 3 + shift, 4 + shift, 5 + shift,
                                      6 + shift, 7 + shift);
+#endif
+#else
+  ivec lanes;
+  for (int l = 0; l < kLanes; ++l) lanes[l] = (l + shift) % kLanes;
+  return v + __builtin_shuffle(v, lanes);
 #endif
 }
 
@@ -94,14 +102,16 @@ inline float hsum(fvec v) {
 }
 
 // e^x lane by lane: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
-// (relative error < 2e-7, expf's own order), 2^n put straight into the exponent bits. Below -87
-// the result is 0 (expf underflows there too); above 88 it is e^88, which no softmax exponent
-// (<= 0) or SiLU denominator (1 + e^-x) tells apart from infinity.
+// (relative error < 2e-7, expf's own order), 2^n put straight into the exponent bits. Above
+// 88.72 the result is inf, as expf's; below -87 it is 0, where expf still returns values under
+// 1.7e-38 that neither a softmax (its largest term is 1) nor a SiLU (g / (1 + e^-g)) can tell
+// from 0.
 inline fvec exp_vec(fvec x) {
   const fvec zero{};
   const auto underflow = x < zero - 87.0f;
+  const auto overflow = x > zero + 88.72f;
   x = underflow ? zero - 87.0f : x;
-  x = x > zero + 88.0f ? zero + 88.0f : x;
+  x = overflow ? zero + 88.0f : x;  // NaN compares false both ways and stays NaN
   const fvec scaled = x * 1.44269504088896341f;  // x / ln2, rounded to the nearest integer:
   const ivec n = __builtin_convertvector(scaled + (scaled < zero ? zero - 0.5f : zero + 0.5f), ivec);
   const fvec nf = __builtin_convertvector(n, fvec);
@@ -114,7 +124,8 @@ inline fvec exp_vec(fvec x) {
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   const fvec result = reinterpret_cast<fvec>(reinterpret_cast<ivec>(p) + (n << 23));
-  return underflow ? zero : result;
+  const fvec infinity = zero + __builtin_inff();
+  return underflow ? zero : (overflow ? infinity : result);
 }
 
 // Ask for the cache lines of `count` values at p (a block the next iteration reads).

@@ -58,7 +58,7 @@ def test_kernel_matches_attention_over_gathered_keys(kernel, dtype, tolerance, h
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("head_dim", [8, 20, 24, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [8, 20, 24, 32, 64, 128, 256])
 def test_kernel_matches_at_every_head_dim(kernel, dtype, tolerance, head_dim):
     """Head dims that fill whole SIMD vectors (unrolled) and ones that leave a padded tail
     (20 fills neither 8- nor 16-lane vectors, 24 only 8-lane ones)."""
