@@ -34,10 +34,8 @@ class TorchOps:
     """The operations as torch expressions (transformers' arithmetic, op for op)."""
 
     def rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D] -> the forms `rotate_and_store` takes. rotate_half(x) * sin equals
-        roll(x, D / 2) * sin with sin's first half negated: one roll, exact."""
-        half = cos.shape[-1] // 2
-        return cos[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
+        """cos, sin [T, D] -> the forms `rotate_and_store` takes: [T, 1, D], every head alike."""
+        return cos[:, None], _roll_sin(sin)[:, None]
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """transformers' LlamaRMSNorm: in float32, then scaled in the input's dtype."""
@@ -83,8 +81,7 @@ class FusedOps(TorchOps):
     """The same operations, each one pass of `torch.ops.specd`'s kernels."""
 
     def rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        half = cos.shape[-1] // 2
-        return cos.contiguous(), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos.contiguous(), _roll_sin(sin)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.ops.specd.rms_norm(x, weight, eps)
@@ -102,6 +99,13 @@ class FusedOps(TorchOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.specd.silu_mul(gate_up)
+
+
+def _roll_sin(sin: torch.Tensor) -> torch.Tensor:
+    """rotate_half(x) * sin equals roll(x, D / 2) * sin with sin's first half negated: one roll,
+    exact. [T, D] -> that sin, contiguous."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 TORCH_OPS = TorchOps()

@@ -22,21 +22,6 @@ namespace {
 
 using namespace specd::simd;
 
-// Chunk c of a row of `dim` values: whole vectors, then a zero-padded tail.
-template <typename scalar_t>
-inline fvec load_chunk(const scalar_t* row, int64_t c, int64_t dim) {
-  return c + kLanes <= dim ? load_vec(row + c) : load_part(row + c, dim - c);
-}
-
-template <typename scalar_t>
-inline void store_chunk(scalar_t* row, int64_t c, int64_t dim, fvec v) {
-  if (c + kLanes <= dim) {
-    store_vec(row + c, v);
-  } else {
-    store_part(row + c, v, dim - c);
-  }
-}
-
 // sum = x + delta (rounded as the dtype's add; no delta: x itself), normed = weight * rms_norm(sum)
 // as transformers' LlamaRMSNorm: the norm in float32, rounded to the dtype, then scaled in the dtype.
 template <typename scalar_t>

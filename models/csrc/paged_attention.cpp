@@ -41,8 +41,8 @@ struct Rows {
   explicit Rows(int64_t dim) : head_dim(dim), chunks(kChunks ? kChunks : (dim + kLanes - 1) / kLanes) {}
 
   fvec load(const scalar_t* row, int64_t c) const {
-    if (kChunks != 0 || (c + 1) * kLanes <= head_dim) return load_vec(row + c * kLanes);
-    return load_part(row + c * kLanes, head_dim - c * kLanes);
+    if constexpr (kChunks != 0) return load_vec(row + c * kLanes);
+    return load_chunk(row, c * kLanes, head_dim);
   }
 };
 

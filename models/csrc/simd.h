@@ -65,6 +65,21 @@ inline void store_part(scalar_t* p, fvec v, int64_t count) {
   for (int64_t l = 0; l < count; ++l) p[l] = static_cast<scalar_t>(v[l]);
 }
 
+// The kLanes values of a row of `dim` from offset c: a whole vector, or the zero-padded tail.
+template <typename scalar_t>
+inline fvec load_chunk(const scalar_t* row, int64_t c, int64_t dim) {
+  return c + kLanes <= dim ? load_vec(row + c) : load_part(row + c, dim - c);
+}
+
+template <typename scalar_t>
+inline void store_chunk(scalar_t* row, int64_t c, int64_t dim, fvec v) {
+  if (c + kLanes <= dim) {
+    store_vec(row + c, v);
+  } else {
+    store_part(row + c, v, dim - c);
+  }
+}
+
 // v as scalar_t would hold it: where a torch op on bf16 tensors rounds its result, so do we.
 template <typename scalar_t>
 inline fvec round_as(fvec v) {
