@@ -132,6 +132,7 @@ class LayoutPlan:
             buf.ints(f"{prefix}.{i}.grid_start", g.grid_start)
             if g.uploads_blocks:
                 buf.ints(f"{prefix}.{i}.block_index", g.block_index)
+            if g.paged:
                 buf.ints(f"{prefix}.{i}.query_start", g.query_start)
             if g.token_index is not None:
                 buf.ints(f"{prefix}.{i}.token_index", g.token_index)
@@ -148,7 +149,7 @@ class LayoutPlan:
                 block_size=self.block_size,
                 grid_start=arrays[f"{prefix}.{i}.grid_start"],
                 block_index=get(f"{prefix}.{i}.block_index", g.uploads_blocks),
-                query_start=get(f"{prefix}.{i}.query_start", g.uploads_blocks),
+                query_start=get(f"{prefix}.{i}.query_start", g.paged),
                 token_index=get(f"{prefix}.{i}.token_index", g.token_index is not None),
                 pad_index=get(f"{prefix}.{i}.pad_index", g.pad_index is not None),
             )
@@ -165,7 +166,7 @@ class AttentionGroup:
     block_size: int
     grid_start: torch.Tensor  # [num_rows]
     block_index: torch.Tensor | None  # [num_rows * num_blocks]; None: a view (`plan.view_block`)
-    query_start: torch.Tensor | None  # [num_rows + 1], beside block_index
+    query_start: torch.Tensor | None  # [num_rows + 1]; only for a group the kernel may read (`plan.paged`)
     token_index: torch.Tensor | None
     pad_index: torch.Tensor | None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)

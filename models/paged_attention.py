@@ -40,9 +40,7 @@ def reads(group: AttentionGroup, query: torch.Tensor, sliding_window: int | None
     queries a row the kernel ran 1.4-2.5x slower than the gather and SDPA (bf16 and float32,
     2 cores), at 1 query 1.5-3.2x faster."""
     return (
-        _enabled
-        and group.block_index is not None
-        and group.plan.max_q == 1
+        group.plan.paged  # a decode group, planned while the kernel was enabled
         and not sliding_window
         and query.device.type == "cpu"
         and query.dtype in (torch.float32, torch.bfloat16)
