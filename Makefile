@@ -74,7 +74,7 @@ bench-serve: install
 	$(BIN)/python -m benchmarks.serve_bench
 
 soak: install
-	$(BIN)/python -m tests.reliability.soak
+	$(BIN)/python -m benchmarks.soak
 
 clean:
 	rm -rf $(VENV) $(ROUTER_VENV) .pytest_cache

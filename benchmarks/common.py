@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from models.builder import ProposerConfig, build_runner
 from models.loader import LoadedModel, ModelConfig, load_model
-from models.runner import RunnerConfig
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
-from speculation.config import SpecConfig
+from speculation.config import ProposerConfig, SpecConfig
+from worker.builder import build_runner
+from worker.runner import RunnerConfig
 
 
 @dataclass

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.common import chat_ids, engine_run, load, table
-from models.builder import ProposerConfig, build_runner
 from models.eagle_head import read_head_config
 from models.heads import BUNDLED_HEAD_DIR
-from models.runner import ModelRunner, RunnerConfig
 from scheduler.types import Batch, StepOutput
+from speculation.config import ProposerConfig
+from worker.builder import build_runner
+from worker.runner import ModelRunner, RunnerConfig
 
 PROMPT_SET_DIR = Path(__file__).parent / "prompt_sets"
 HELD_OUT_SETS = ("chat", "code", "creative")

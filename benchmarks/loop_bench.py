@@ -43,14 +43,14 @@ from typing import Literal
 from benchmarks.common import chat_ids, table
 from benchmarks.lengths import max_tokens_per_request
 from benchmarks.serve_client import load_prompts
-from models.builder import ProposerConfig, build_runner
 from models.loader import LoadedModel
-from models.runner import ModelRunner, RunnerConfig
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Batch, Request, SamplingParams, StepOutput
-from speculation.config import SpecConfig
+from speculation.config import ProposerConfig, SpecConfig
 from speculation.cost_model import StepCostModel, StepShape, step_shape
+from worker.builder import build_runner
+from worker.runner import ModelRunner, RunnerConfig
 
 MODES: dict[str, Literal["auto", True, False]] = {"off": False, "on": True, "auto": "auto"}
 

@@ -36,7 +36,7 @@ VLLM_COUNTERS = {
     "vllm:spec_decode_num_draft_tokens_total": "num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens_total": "num_accepted_tokens",
 }
-# n-gram lookup windows as specd's n-gram proposer uses them (models.builder.ProposerConfig).
+# n-gram lookup windows as specd's n-gram proposer uses them (speculation.config.ProposerConfig).
 NGRAM_MIN, NGRAM_MAX = 1, 4
 
 

@@ -17,7 +17,7 @@ import math
 import os
 from pathlib import Path
 
-from speculation.policy import PLAIN_REASONS
+from scheduler.types import PLAIN_REASONS
 
 MODES = ("off", "on", "auto")
 

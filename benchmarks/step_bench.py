@@ -28,14 +28,15 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.common import table
-from models.builder import ProposerConfig, build_runner
 from models.forward import cache_kwargs
 from models.linear_kernels import UNTUNED, ModelKernels, install_model
 from models.loader import LoadedModel
-from models.runner import ModelRunner, RunnerConfig
 from models.transfer import TransferCounter
 from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
+from speculation.config import ProposerConfig
 from tests.support.tensors import slot_table
+from worker.builder import build_runner
+from worker.runner import ModelRunner, RunnerConfig
 
 NUM_SLOTS = 16
 MAX_LEN = 2048

@@ -25,7 +25,7 @@ from scheduler.recorder import StepRecorder
 from scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from scheduler.stream import RequestStream
 from scheduler.types import Batch, FinishReason, Request, RequestOutput, StepOutput, StepStats
-from speculation.proposers import Drafting
+from speculation.proposer import Drafting
 
 logger = logging.getLogger("specd.engine")
 
@@ -158,7 +158,7 @@ class AsyncEngine:
         return {
             **self.scheduler.speculation_settings(),
             # An EAGLE head's directory, draft vocabulary and training record (runners that serve one).
-            "draft_head": self.scheduler.drafting.head,
+            "draft_head": self.scheduler.drafting.info,
             "spec_enabled": self.recorder.last_step_speculated,
             **self.recorder.acceptance(),
             "requests_running": self.num_running,
@@ -219,7 +219,7 @@ class AsyncEngine:
             step_seconds = time.perf_counter() - start
             outputs = self.scheduler.update(batch, output, step_seconds)
             self._publish(outputs)
-            self.recorder.step(batch, output, outputs, step_seconds)
+            self.recorder.step(batch, output, outputs, step_seconds, self.scheduler.last_plan)
             if self._kv_events is not None:
                 self._kv_events(self.scheduler.blocks.drain_events())
             # Let the event loop run (HTTP, new submissions) between steps.

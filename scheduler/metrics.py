@@ -55,8 +55,16 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
-from scheduler.types import FinishedRequestStats, FinishReason, QueueState, SpecCounts, StepStats
-from speculation.policy import PLAIN_REASONS
+from scheduler.types import (
+    PLAIN_REASONS,
+    FinishedRequestStats,
+    FinishReason,
+    QueueState,
+    SpecCounts,
+    StepPlan,
+    StepStats,
+)
+from speculation import registry as proposers
 
 # Seconds: 1 ms .. 10 min, ~1-2-5 per decade plus a few midpoints.
 LATENCY_BUCKETS = (
@@ -106,7 +114,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "specd_kv_blocks_used": ("gauge", ()),
     "specd_kv_blocks_capacity": ("gauge", ()),
     "specd_spec_enabled": ("gauge", ()),
-    "specd_suffix_cache_nodes": ("gauge", ()),
+    "specd_proposer_cache_nodes": ("gauge", ()),
 }
 
 # The model-server protocol routers read (the Kubernetes Gateway API Inference Extension's
@@ -125,8 +133,6 @@ PROTOCOL_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 PHASES = ("prefill", "draft", "verify", "decode")
 MODES = ("spec", "plain")
-SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "prediction")
-PROBING_METHODS = ("draft_model", "eagle")  # their paused rows probe (the others shadow for free)
 
 
 class MetricsObserver:
@@ -142,13 +148,13 @@ class MetricsObserver:
         model_name: str,
         registry: CollectorRegistry | None = None,
         *,
-        spec_methods: Iterable[str] = SPEC_METHODS,
+        spec_methods: Iterable[str] | None = None,
         num_speculative_tokens: int = 0,
     ) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         self._declare()
-        self._init_series(spec_methods, num_speculative_tokens)
+        self._init_series(proposers.methods() if spec_methods is None else spec_methods, num_speculative_tokens)
 
     def _declare(self) -> None:
         def counter(name: str, doc: str, *labels: str) -> Counter:
@@ -237,9 +243,10 @@ class MetricsObserver:
         self._kv_blocks_used = gauge("specd_kv_blocks_used", "KV blocks held by requests.")
         self._kv_blocks_capacity = gauge("specd_kv_blocks_capacity", "KV blocks in the pool.")
         self._spec_enabled = gauge("specd_spec_enabled", "1 while the last engine step speculated.")
-        self._suffix_nodes = gauge(
-            "specd_suffix_cache_nodes",
-            "Nodes and leaves of the suffix proposer's trees over finished outputs (its memory; ~100 B each).",
+        self._cache_nodes = gauge(
+            "specd_proposer_cache_nodes",
+            "Entries the proposer keeps across requests (suffix decoding: nodes and leaves of its trees over "
+            "finished outputs, ~100 B each); 0 for a proposer that keeps none.",
         )
 
         def protocol(name: str, doc: str, *labels: str) -> Gauge:
@@ -271,7 +278,7 @@ class MetricsObserver:
         for method in spec_methods:
             for counter in (self._num_drafts, self._num_draft_tokens, self._num_accepted_tokens):
                 counter.labels(model, method)
-            if method in PROBING_METHODS:
+            if method in proposers.probing_methods():  # their paused rows probe (the others shadow for free)
                 self._num_probes.labels(model, method)
                 self._num_accepted_probes.labels(model, method)
         for position in range(1, num_speculative_tokens + 1):
@@ -286,9 +293,22 @@ class MetricsObserver:
                      self._queue, self._batch_size, self._prediction_ratio):  # fmt: skip
             hist.labels(model)
         for gauge in (self._running, self._waiting, self._preempted, self._kv_usage, self._kv_blocks_used,
-                      self._kv_blocks_capacity, self._spec_enabled, self._suffix_nodes,
+                      self._kv_blocks_capacity, self._spec_enabled, self._cache_nodes,
                       self._vllm_running, self._vllm_waiting, self._vllm_kv_usage):  # fmt: skip
             gauge.labels(model).set(0)
+
+    def _observe_plan(self, plan: StepPlan, step_seconds: float) -> None:
+        """The policy's plan against what the step did."""
+        model = self.model_name
+        if plan.predicted_seconds is not None and step_seconds > 0:
+            self._predicted.labels(model).inc(plan.predicted_seconds)
+            self._observed.labels(model).inc(step_seconds)
+            self._prediction_ratio.labels(model).observe(plan.predicted_seconds / step_seconds)
+        if plan.expected_tokens:
+            self._expected_tokens.labels(model).inc(plan.expected_tokens)
+            self._emitted_tokens.labels(model).inc(plan.emitted_tokens)
+        if plan.plain_reason is not None:
+            self._plain_steps.labels(model, plan.plain_reason).inc()
 
     def set_cache_config(self, block_size: int, num_blocks: int) -> None:
         """The KV pool's shape, for routers that score prefix-cache affinity by blocks."""
@@ -302,8 +322,8 @@ class MetricsObserver:
         model = self.model_name
         self._steps.labels(model, stats.mode).inc()
         self._spec_enabled.labels(model).set(1 if stats.mode == "spec" else 0)
-        if stats.suffix_cache_nodes is not None:
-            self._suffix_nodes.labels(model).set(stats.suffix_cache_nodes)
+        if stats.proposer_cache_nodes is not None:
+            self._cache_nodes.labels(model).set(stats.proposer_cache_nodes)
         self.set_queue_state(stats.queue)
         self._cache_queries.labels(model).inc(stats.prefix_cache_queries)
         self._cache_hits.labels(model).inc(stats.prefix_cache_hits)
@@ -312,15 +332,8 @@ class MetricsObserver:
             self._batch_size.labels(model).observe(stats.batch_size)
         self._prompt_tokens.labels(model).inc(stats.num_prompt_tokens)
         self._generation_tokens.labels(model).inc(stats.num_generation_tokens)
-        if stats.predicted_seconds is not None and stats.step_seconds > 0:
-            self._predicted.labels(model).inc(stats.predicted_seconds)
-            self._observed.labels(model).inc(stats.step_seconds)
-            self._prediction_ratio.labels(model).observe(stats.predicted_seconds / stats.step_seconds)
-        if stats.expected_tokens:
-            self._expected_tokens.labels(model).inc(stats.expected_tokens)
-            self._emitted_tokens.labels(model).inc(stats.emitted_tokens)
-        if stats.plain_reason is not None:
-            self._plain_steps.labels(model, stats.plain_reason).inc()
+        if (plan := stats.plan) is not None:
+            self._observe_plan(plan, stats.step_seconds)
 
         for method, counts in stats.spec.items():
             self._observe_spec(method, counts)

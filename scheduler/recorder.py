@@ -27,6 +27,7 @@ from scheduler.types import (
     RequestOutput,
     SpecCounts,
     StepOutput,
+    StepPlan,
     StepStats,
 )
 
@@ -47,14 +48,13 @@ class _Timing:
 
 class StepRecorder:
     def __init__(self, scheduler: Scheduler, observer: Callable[[StepStats], None] | None = None):
-        self.scheduler = scheduler  # read for the queue gauges and the policy's step check
+        self.scheduler = scheduler  # read for the queue gauges and the prefix cache's counters
         self.observer = observer
         self.totals = SpecCounts()  # speculation since start, all methods
         self.last_step_speculated = False
         self._timing: dict[str, _Timing] = {}
         # The scheduler's cumulative counters when last reported: (cache queries, cache hits, preemptions).
         self._reported = (0, 0, 0)
-        self._probes_reported = (0, 0.0)  # the policy's probes graded and accepted, when last reported
         # Samples from published outputs, waiting for the next `step` or `idle`.
         self._pending = StepStats(0.0, 0, "plain")
 
@@ -94,8 +94,16 @@ class StepRecorder:
                     )
                 )
 
-    def step(self, batch: Batch, output: StepOutput, outputs: list[RequestOutput], step_seconds: float) -> None:
-        """A step ran `batch` in `step_seconds` and emitted `outputs` (after `Scheduler.update`)."""
+    def step(
+        self,
+        batch: Batch,
+        output: StepOutput,
+        outputs: list[RequestOutput],
+        step_seconds: float,
+        plan: StepPlan | None = None,
+    ) -> None:
+        """A step ran `batch` in `step_seconds` and emitted `outputs` (after `Scheduler.update`);
+        `plan` is the policy's plan for it, with what it emitted (None: no decode rows planned)."""
         spec: dict[str, SpecCounts] = {}
         for row_out in output.rows:
             if row_out.method:
@@ -117,14 +125,10 @@ class StepRecorder:
         stats.spec = spec
         stats.accepted_per_position = output.accepted_per_position
         stats.phase_seconds = output.phase_seconds
-        stats.suffix_cache_nodes = output.suffix_cache_nodes
-        check = self.scheduler.last_check
-        if check is not None:
-            stats.predicted_seconds = check.predicted_seconds
-            stats.expected_tokens = check.expected_tokens
-            stats.emitted_tokens = check.emitted_tokens
-            stats.plain_reason = check.plain_reason
-        stats.probes = self._probes()
+        stats.proposer_cache_nodes = output.proposer_cache_nodes
+        stats.plan = plan
+        if plan is not None and plan.probes_graded:
+            stats.probes = {self.scheduler.drafting.method: (plan.probes_graded, plan.probes_accepted)}
         for row in batch.rows:
             request = row.request
             # A request's first chunk starts after its cached prefix; a preempted one was counted before.
@@ -143,14 +147,6 @@ class StepRecorder:
             "num_draft_tokens": t.num_draft_tokens,
             "num_accepted_tokens": t.num_accepted_tokens,
         }
-
-    def _probes(self) -> dict[str, tuple[int, float]]:
-        """Probes the policy graded since the last report (it grades them; this only counts)."""
-        policy = self.scheduler.policy
-        now = (policy.num_probes, policy.num_probes_accepted)
-        before, self._probes_reported = self._probes_reported, now
-        graded, accepted = now[0] - before[0], now[1] - before[1]
-        return {self.scheduler.drafting.method: (graded, accepted)} if graded else {}
 
     def idle(self) -> None:
         """No step ran, but requests may have finished (aborts, failures)."""

@@ -34,11 +34,13 @@ from scheduler.types import (
     RequestStatus,
     ScheduledRow,
     StepOutput,
+    StepPlan,
 )
+from speculation import registry
 from speculation.config import SpecConfig
 from speculation.cost_model import StepShape, step_shape
-from speculation.policy import SpecPolicy, StepPlan
-from speculation.proposers import Drafting
+from speculation.policy import SpecPolicy
+from speculation.proposer import Drafting
 
 logger = logging.getLogger(__name__)
 
@@ -81,24 +83,14 @@ class SchedulerConfig:
         return blocks_for(self.max_num_seqs * self.max_model_len, self.block_size)
 
 
-@dataclass
-class StepCheck:
-    """The policy's plan for the last step against what it did."""
-
-    predicted_seconds: float | None  # None before the cost model has data
-    expected_tokens: float  # by the decode rows
-    emitted_tokens: int
-    plain_reason: str | None = None  # why auto rows ran plain (policy.PLAIN_REASONS)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, drafting: Drafting | None = None):
         """`drafting`: the runner's proposer and what the policy may ask it (default: n-gram, no questions)."""
         self.config = config
-        self.drafting = drafting or Drafting("ngram")
+        self.drafting = drafting or Drafting(registry.NGRAM.name)
         self.policy = SpecPolicy(config.spec, self.drafting)
+        # The plan of the step scheduled last; `update` fills in what it emitted and the probes it graded.
         self.last_plan: StepPlan | None = None
-        self.last_check: StepCheck | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.blocks = BlockPool(
@@ -388,9 +380,12 @@ class Scheduler:
             if request.params.speculation == "auto":
                 self.policy.observe_shadow(request, out.shadow_ids or [], out.token_ids)
                 if out.probe_id is not None and out.token_ids:
-                    self.policy.observe_probe(request, out.probe_id, out.token_ids[0], out.probe_accept)
+                    accepted = self.policy.observe_probe(request, out.probe_id, out.token_ids[0], out.probe_accept)
+                    if self.last_plan is not None:
+                        self.last_plan.probes_graded += 1
+                        self.last_plan.probes_accepted += accepted
             new_ids, stop_id = self._append(request, out.token_ids)
-            request.host_draft = out.next_host_draft
+            request.draft = out.next_draft
             if not request.is_finished:  # a finished request's blocks were offered on release
                 self._cache_blocks(request, row.start_pos)
             n = len(new_ids)
@@ -407,12 +402,8 @@ class Scheduler:
             if row.start_pos >= row.request.num_prompt_tokens  # decode rows: what the plan covered
         )
         plan = self.last_plan
-        self.last_check = StepCheck(
-            plan.predicted_seconds if plan else None,
-            plan.expected_tokens if plan else 0.0,
-            emitted,
-            plan.plain_reason if plan else None,
-        )
+        if plan is not None:
+            plan.emitted_tokens = emitted
         self.policy.observe_step(shape, seconds, plan, emitted)
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
@@ -429,7 +420,7 @@ class Scheduler:
             return
         request.num_draft_tokens += out.num_draft_tokens
         request.num_accepted_tokens += out.num_accepted_tokens
-        if out.method == "prediction":
+        if request.prediction_ids is not None:  # Predicted Outputs drafted the row (usage reports them)
             request.num_prediction_accepted += out.num_accepted_tokens
             request.num_prediction_rejected += out.num_draft_tokens - out.num_accepted_tokens
         self.policy.observe(request, out.num_draft_tokens, out.num_accepted_tokens, out.method)

@@ -122,16 +122,23 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
-@dataclass(frozen=True)
-class HostDraft:
-    """A model-free draft (n-gram lookup, Predicted Outputs) made once for a request's tokens:
-    the runner makes it at the end of the step that produced them, off the event loop; the
-    policy reads its length and the next step verifies it, neither proposing again."""
+@dataclass
+class Draft:
+    """One row's draft: tokens a proposer offers to follow a request's tokens.
+
+    Model-free drafts are one-hot (q is 1 on each token); a proposer that estimates it gives
+    each token's probability given the draft before it (`token_probs`, what the policy prices
+    a draft by; the rejection sampler still sees one-hot q). A draft made ahead, at the end of
+    the step that produced the request's tokens (`Request.draft`), says which tokens it follows
+    (`num_tokens`) and how many were asked for (`max_tokens`), so the policy and the next step
+    read it instead of proposing again. A draft model's or head's drafts stay on the device as
+    tensors and are never a `Draft`."""
 
     method: str  # the proposer that made it
-    num_tokens: int  # prompt + output tokens it follows
-    max_tokens: int  # tokens asked for (it holds fewer where the continuation ends)
     token_ids: list[int]
+    token_probs: list[float] | None = None
+    num_tokens: int = -1  # prompt + output tokens it follows (-1: made for the step in hand)
+    max_tokens: int = 0  # tokens asked for (it holds fewer where the continuation ends)
 
     def fits(self, method: str, num_tokens: int, k: int) -> bool:
         return self.method == method and self.num_tokens == num_tokens and k <= self.max_tokens
@@ -155,8 +162,8 @@ class Request:
 
     # -- scheduler state --
     status: RequestStatus = RequestStatus.WAITING
-    # The host draft for the tokens so far (`HostDraft`), None until a step makes one.
-    host_draft: HostDraft | None = None
+    # The draft made ahead for the tokens so far (`Draft.num_tokens`), None until a step makes one.
+    draft: Draft | None = None
     # Token ids that end the request: its stop_token_ids and (unless ignore_eos) the model's
     # end-of-sequence ids, as one set built when it is queued, not per step.
     stop_ids: frozenset[int] = frozenset()
@@ -285,8 +292,8 @@ class RowOutput:
     # the step sampled, the chance the rejection sampler would have accepted it.
     probe_id: int | None = None
     probe_accept: float | None = None
-    # The host draft for the request's tokens after this step's (`Request.host_draft`).
-    next_host_draft: HostDraft | None = None
+    # The draft made ahead for the request's tokens after this step's (`Request.draft`).
+    next_draft: Draft | None = None
 
 
 @dataclass
@@ -296,8 +303,8 @@ class StepOutput:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     # accepted_per_position[i]: rows whose draft token i+1 was accepted.
     accepted_per_position: list[int] = field(default_factory=list)
-    # Nodes and leaves of the suffix proposer's cross-request trees (None: another proposer).
-    suffix_cache_nodes: int | None = None
+    # Entries the proposer keeps across requests (`Proposer.cache_nodes`; None: it keeps none).
+    proposer_cache_nodes: int | None = None
 
 
 @dataclass
@@ -355,6 +362,29 @@ class QueueState:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
+# Why a step with `auto` rows ran plain (`StepPlan.plain_reason`, counted per reason).
+PLAIN_REASONS = ("cap", "no_draft", "budget", "no_gain", "margin", "explore")
+
+
+@dataclass
+class StepPlan:
+    """One step's plan, from the policy that made it to the metrics that report it: what the
+    policy expected of the step, and (once it ran) what its decode rows emitted."""
+
+    expected_tokens: float  # by the decode rows
+    predicted_seconds: float | None  # None before the cost model has data
+    num_rows: int = 0  # decode rows the expectation covers
+    edge: float = 1.0  # predicted tokens per second of the chosen step over the plain step's
+    lookup_rows: frozenset[int] = frozenset()  # rows (by index) that draft by prompt lookup
+    probe_rows: frozenset[int] = frozenset()  # rows (by index) whose device proposer drafts unverified
+    plain_reason: str | None = None  # set where auto rows could have drafted and the step runs plain (PLAIN_REASONS)
+    # Filled in when the step's output is applied: what the decode rows emitted, and the probes
+    # graded (a sampled row's probe counts its chance of acceptance, so `accepted` need not be whole).
+    emitted_tokens: int = 0
+    probes_graded: int = 0
+    probes_accepted: float = 0.0
+
+
 @dataclass
 class StepStats:
     """Everything one engine step did, for the metrics observer.
@@ -377,14 +407,8 @@ class StepStats:
     # accepted_per_position[i]: rows whose draft token i+1 was accepted.
     accepted_per_position: list[int] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    suffix_cache_nodes: int | None = None  # see StepOutput
-    # The policy's plan for the step, checked against what it did: seconds the
-    # cost model predicted (None before it has data) and tokens the decode rows
-    # were expected to emit; and what they emitted.
-    predicted_seconds: float | None = None
-    expected_tokens: float = 0.0
-    emitted_tokens: int = 0
-    plain_reason: str | None = None  # why the step's auto rows ran plain (policy.PLAIN_REASONS)
+    proposer_cache_nodes: int | None = None  # see StepOutput
+    plan: StepPlan | None = None  # the policy's plan for the step, with what it emitted
     # Probes graded this step (a draft model's or head's one unverified token for a row that
     # ran plain), by proposer method: (graded, accepted). A sampled row's probe counts its
     # chance of acceptance, so `accepted` need not be whole.

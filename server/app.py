@@ -38,7 +38,7 @@ from speculation.config import SpecConfig
 
 if TYPE_CHECKING:
     from models.loader import LoadedModel, ModelConfig
-    from models.runner import ModelRunner
+    from worker.runner import ModelRunner
 
 logger = logging.getLogger("specd.server")
 
@@ -72,9 +72,10 @@ def model_config(settings: Settings) -> ModelConfig:
 
 def build_components(settings: Settings) -> Components:
     """Load the target (and draft) and build the runner. Slow; run it off the event loop."""
-    from models.builder import ProposerConfig, build_runner
     from models.loader import load_model
-    from models.runner import RunnerConfig
+    from speculation.config import ProposerConfig
+    from worker.builder import build_runner
+    from worker.runner import RunnerConfig
 
     loaded = load_model(model_config(settings))
     max_model_len = settings.max_model_len or min(DEFAULT_MAX_MODEL_LEN, loaded.max_position_embeddings)

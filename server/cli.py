@@ -27,7 +27,7 @@ from pydantic_core import PydanticUndefined
 
 from scheduler.types import SpeculationMode
 from server import IMPORTED_AT
-from server.config import CONFIG_ENV, ENV_PREFIX, Settings, is_hidden, load_settings
+from server.config import CONFIG_ENV, ENV_PREFIX, ChoicesFrom, Settings, is_hidden, load_settings
 
 SPECULATION_CHOICES: dict[str, SpeculationMode] = {"auto": "auto", "true": True, "false": False}
 
@@ -83,7 +83,17 @@ def add_settings_flags(parser: argparse.ArgumentParser, names: typing.Iterable[s
             default=argparse.SUPPRESS,
             help=help_text,
             **_flag_type(field.annotation),
+            **_choices(field),
         )
+
+
+def _choices(field: FieldInfo) -> dict[str, Any]:
+    """Choices computed when the parser is built (a `ChoicesFrom` field)."""
+    for marker in field.metadata:
+        if isinstance(marker, ChoicesFrom):
+            values = marker.values()
+            return {"choices": values, "metavar": "{" + ",".join(values) + "}"}
+    return {}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,6 +321,7 @@ def generate(args: argparse.Namespace) -> int:
 
 
 async def _generate(components, args: argparse.Namespace) -> int:
+    from models.chat_template import chat_text
     from scheduler.engine import AsyncEngine
     from scheduler.types import InvalidRequestError, Request, SamplingParams
     from server.detokenizer import IncrementalDetokenizer
@@ -319,10 +330,8 @@ async def _generate(components, args: argparse.Namespace) -> int:
     if args.raw or not tokenizer.chat_template:
         prompt_ids = tokenizer.encode(args.prompt)
     else:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
-        )
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = tokenizer.encode(chat_text(tokenizer, [{"role": "user", "content": args.prompt}]),
+                                      add_special_tokens=False)  # fmt: skip
     engine = AsyncEngine(components.runner, components.scheduler_config, inline=True)  # loaded on this thread
     await engine.start()
     try:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Callable
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -21,6 +23,7 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from models.heads import BUNDLED_HEAD_DIR
 from scheduler.types import MAX_SPEC_TOKENS
+from speculation import registry
 
 ENV_PREFIX = "SPECD_"
 CONFIG_ENV = "SPECD_CONFIG"
@@ -34,6 +37,18 @@ _BYTES = TypeAdapter(ByteSize)
 
 # Values read from the YAML file for the `Settings` being built (see `load_settings`).
 _file_values: ContextVar[dict[str, Any] | None] = ContextVar("specd_file_values", default=None)
+
+
+# Proposer options with a default for the bundled model: its trained EAGLE head.
+BUNDLED_OPTIONS = {"draft_head": BUNDLED_HEAD_DIR}
+
+
+@dataclass(frozen=True)
+class ChoicesFrom:
+    """Marks a settings field whose allowed values are computed when asked (`--draft`: the
+    proposers registered at that moment); the CLI offers them as choices."""
+
+    values: Callable[[], list[str]]
 
 
 class Settings(BaseSettings):
@@ -142,12 +157,10 @@ class Settings(BaseSettings):
     )
 
     # -- speculation --
-    draft: Literal["ngram", "suffix", "draft_model", "eagle", "none"] | None = Field(
+    draft: Annotated[str | None, ChoicesFrom(registry.choices)] = Field(
         None,
-        description="Proposer: ngram (prompt lookup), suffix (suffix decoding: drafts from this request and "
-        "earlier outputs of its tenant, priced by frequency), draft_model, eagle (a one-layer draft head over "
-        "the target's own hidden states, --draft-head), or none "
-        "(default: draft_model if --draft-model, eagle if --draft-head, else ngram).",
+        description=f"Proposer: {registry.help_text()}; or none "
+        "(default: the proposer --draft-model or --draft-head implies, else ngram).",
     )
     draft_model: str | None = Field(
         None, description="Hub id or directory of a draft model sharing the target's tokenizer."
@@ -163,8 +176,9 @@ class Settings(BaseSettings):
         ge=0,
         le=MAX_SPEC_TOKENS,
         description="Draft tokens per verify step (K): exact for speculation=true requests, the ceiling of adaptive K "
-        "for auto ones (default: 10 with ngram, 4 with a draft model, 5 with an EAGLE head; their rows' prompt-lookup "
-        "drafts, --draft-lookup, 10).",
+        "for auto ones (default: the proposer's own, "
+        + ", ".join(f"{spec.name} {spec.default_k}" for spec in registry.REGISTRY.values() if spec.selectable)
+        + "; prompt-lookup drafts beside a draft model or head, --draft-lookup, 10).",
     )
 
     spec_disable_batch_size: int | None = Field(
@@ -177,7 +191,7 @@ class Settings(BaseSettings):
         256,
         ge=0,
         description="--draft suffix: finished outputs kept to draft from, all tenants together; over it the oldest "
-        "output of the tenant holding the most goes. Memory: see specd_suffix_cache_nodes (~100 B each).",
+        "output of the tenant holding the most goes. Memory: see specd_proposer_cache_nodes (~100 B each).",
     )
     suffix_global: Literal["on", "off"] = Field(
         "on",
@@ -263,16 +277,25 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    @field_validator("draft")
+    @classmethod
+    def _known_proposer(cls, value: str | None) -> str | None:
+        if value is not None and value not in registry.choices():
+            raise ValueError(f"must be one of {', '.join(registry.choices())}, got {value!r}")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if self.draft == "draft_model" and not self.draft_model:
-            raise ValueError("--draft draft_model needs --draft-model")
-        if self.draft == "eagle" and not self.draft_head:
+        needs = self.resolved_proposer_needs
+        if needs is not None and not getattr(self, needs):
+            flag, bundled = "--" + needs.replace("_", "-"), BUNDLED_OPTIONS.get(needs)
+            if bundled is None:
+                raise ValueError(f"--draft {self.resolved_draft} needs {flag}")
             if self.model is not None:
-                raise ValueError("--draft eagle needs --draft-head DIR (a head trained for --model)")
-            if not BUNDLED_HEAD_DIR.is_dir():
+                raise ValueError(f"--draft {self.resolved_draft} needs {flag} DIR (one made for --model)")
+            if not bundled.is_dir():
                 raise ValueError(
-                    f"--draft eagle needs --draft-head DIR: the bundled model's default head ({BUNDLED_HEAD_DIR}) "
+                    f"--draft {self.resolved_draft} needs {flag} DIR: the bundled model's default ({bundled}) "
                     "does not exist (`specd train-draft` makes one)"
                 )
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
@@ -293,21 +316,29 @@ class Settings(BaseSettings):
     @property
     def resolved_draft(self) -> str:
         """The proposer: --draft, else what --draft-model or --draft-head imply, else ngram."""
-        return self.draft or ("draft_model" if self.draft_model else "eagle" if self.draft_head else "ngram")
+        given = {name for name in ("draft_model", "draft_head") if getattr(self, name)}
+        return self.draft or registry.default_method(given)
+
+    @property
+    def resolved_proposer_needs(self) -> str | None:
+        """The option the proposer cannot run without (`registry.ProposerSpec.needs`)."""
+        draft = self.resolved_draft
+        return None if draft == registry.NONE else registry.get(draft).needs
 
     @property
     def resolved_draft_head(self) -> Path | None:
-        if self.resolved_draft != "eagle":
+        """A head for the proposer that drafts with one: --draft-head, else the bundled model's."""
+        if self.resolved_proposer_needs != "draft_head":
             return None
-        return self.draft_head or BUNDLED_HEAD_DIR
+        return self.draft_head or BUNDLED_OPTIONS["draft_head"]
 
     @property
     def resolved_num_speculative_tokens(self) -> int:
-        """K: prompt lookup drafts are free to propose, a draft model's cost a forward each, and
-        a head's a forward of one layer (its acceptance decays with depth: it chains its own guesses)."""
+        """K: the proposer's own default (prompt lookup drafts are free to propose, a draft model's
+        cost a forward each, a head's a forward of one layer), unless the operator sets one."""
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
-        return {"draft_model": 4, "eagle": 5}.get(self.resolved_draft, 10)
+        return registry.default_k(self.resolved_draft)
 
     @property
     def resolved_max_num_batched_tokens(self) -> int:

@@ -8,6 +8,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 from jinja2 import TemplateError
 
+from models.chat_template import chat_text
 from scheduler.types import InvalidRequestError
 from server.choices import (
     Choice,
@@ -51,11 +52,6 @@ from server.serving import (
 logger = logging.getLogger("specd.server")
 
 ENDPOINT = "/v1/chat/completions"
-# Used when a tokenizer has no chat template of its own.
-CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def content_text(content: str | list[ContentPart] | None, param: str) -> str:
@@ -107,12 +103,11 @@ def render_prompt(ctx: ServingContext, req: ChatCompletionRequest, messages: lis
         )
     tokenizer = ctx.tokenizer
     try:
-        text = tokenizer.apply_chat_template(
+        text = chat_text(
+            tokenizer,
             messages,
-            tokenize=False,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            chat_template=None if tokenizer.chat_template else CHATML_TEMPLATE,
             **(req.chat_template_kwargs or {}),
         )
     except TemplateError as exc:  # a template that rejects these messages (jinja's raise_exception): its words

@@ -1,14 +1,41 @@
-"""The speculation settings of one engine (`SpecConfig`): the operator's caps and the policy's knobs."""
+"""The speculation settings of one engine: which proposer drafts (`ProposerConfig`), and the
+operator's caps and the policy's knobs (`SpecConfig`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from scheduler.types import MAX_SPEC_TOKENS
+from speculation import registry
 
 if TYPE_CHECKING:
-    from speculation.proposers import Drafting
+    from speculation.proposer import Drafting
+
+
+@dataclass
+class ProposerConfig:
+    """Which proposer drafts (`method`: a `registry` name, or "none") and each proposer's options."""
+
+    method: str | None = None  # None: the proposer the options imply (`registry.default_method`), else ngram
+    draft_model: str | None = None  # a draft model's hub id or directory
+    draft_head: str | None = None  # an EAGLE head directory (`specd train-draft` makes one)
+    ngram_min: int = 1
+    ngram_max: int = 4
+    suffix_cache_requests: int = 256  # finished outputs suffix decoding keeps (0: per-request trees only)
+    # Beside a proposer that drafts on the device: prompt lookup as a second source, per row.
+    lookup: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = registry.default_method({f.name for f in fields(self) if getattr(self, f.name)})
+        if self.method not in registry.choices():
+            raise ValueError(f"--draft must be one of {', '.join(registry.choices())}, got {self.method!r}")
+        needs = registry.get(self.method).needs if self.method != registry.NONE else None
+        if needs is not None and not getattr(self, needs):
+            raise ValueError(f"--draft {self.method} needs --{needs.replace('_', '-')}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("ngram sizes must satisfy 1 <= min <= max")
 
 
 @dataclass

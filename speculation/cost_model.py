@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scheduler.types import Batch, StepOutput
-from speculation.proposers import CAPABILITIES
+from speculation import registry
 
 # A knot at every token count up to 16: BLAS kernels switch at odd sizes (on an AVX2 CPU in
 # float32, with the tuned layouts, 9 tokens cost ~1.1x one token and 10 cost ~1.9x), and decode
@@ -264,7 +264,7 @@ def step_shape(batch: Batch, output: StepOutput) -> StepShape:
     (one for probes alone), and the positions it computed logits for (a sampling row's last
     token and drafts)."""
     drafts = [out.num_draft_tokens for out in output.rows]
-    device_drafts = [out.num_draft_tokens for out in output.rows if out.method and CAPABILITIES[out.method].on_device]
+    device_drafts = [out.num_draft_tokens for out in output.rows if registry.capabilities(out.method).on_device]
     probed = any(out.probe_id is not None for out in output.rows)
     return StepShape(
         num_tokens=sum(len(row.token_ids) for row in batch.rows) + sum(drafts),

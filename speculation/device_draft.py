@@ -15,9 +15,7 @@ what the catch-up feeds and run the forwards (`_first_logits`, `_next_logits`).
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -35,7 +33,7 @@ from models.sampling import (
 )
 from models.transfer import DeviceArrays, HostBuffer
 from scheduler.types import Request
-from speculation.proposers import Capabilities
+from speculation.proposer import Proposer
 
 
 @dataclass
@@ -56,18 +54,7 @@ class DraftPlan:
         return len(self.active)
 
 
-@dataclass
-class DeviceDraft:
-    token_ids: torch.Tensor  # [R, k_max] int64; positions >= num_tokens[i] are padding
-    probs: torch.Tensor | None  # [R, k_max, V] q (zero past a row's k); None when every row is greedy
-
-    def first(self, num_rows: int) -> DeviceDraft:
-        """The drafts of the plan's first `num_rows` rows."""
-        probs = None if self.probs is None else self.probs[:num_rows]
-        return DeviceDraft(self.token_ids[:num_rows], probs)
-
-
-class DeviceProposer(ABC):
+class DeviceProposer(Proposer):
     """The plan and the K-forward loop; a subclass supplies the catch-up feed and the forwards.
 
     Its own KV uses the same block ids as the target's pool, so a request's
@@ -75,56 +62,42 @@ class DeviceProposer(ABC):
     it through `free`.
     """
 
-    method: str
-    capabilities: ClassVar[Capabilities]
-    # [pool rows, H]: the target's features of every position, in the KV pool's layout,
-    # stored by the runner after each target forward (`store_features`); None: not wanted.
-    features: torch.Tensor | None = None
-    # Which of the target's hidden states the features come from (see `forward_with_hidden`).
-    feature_layers: list[int] | None = None
-
-    def __init__(self, vocab_size: int, block_size: int):
+    def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size  # the target's: q must live in p's vocabulary
-        self.block_size = block_size
+        self.block_size = 0  # the target's KV block, set by `allocate`
         # Positions of each request the proposer's KV holds for accepted tokens.
         self._computed: dict[str, int] = {}
 
-    def store_features(self, dest: torch.Tensor, states: torch.Tensor) -> None:
-        """Keep the target's `states` [T, ...] of the step's packed tokens at pool rows `dest`."""
-        assert self.features is not None
-        self.features.index_copy_(0, dest, states.to(self.features.dtype))
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
 
     def free(self, request_id: str) -> None:
         self._computed.pop(request_id, None)
 
-    def info(self) -> dict | None:
-        """What /v1/speculation shows of the proposer (an EAGLE head's record); None: nothing."""
-        return None
-
     def verified(self, request_id: str, num_valid: int) -> None:
-        """The target kept positions < num_valid: later positions hold rejected drafts."""
         if request_id in self._computed:
             self._computed[request_id] = min(self._computed[request_id], num_valid)
 
     # -- what a subclass decides --
-    @abstractmethod
     def _catch_up(self, request: Request) -> tuple[int, list[int]]:
         """(first position, tokens) of the first forward's feed for `request` (at least one token)."""
+        raise NotImplementedError
 
-    @abstractmethod
     def _fed_after(self, request: Request, start: int, feed: list[int], k: int) -> int:
         """Positions whose KV is right once the forwards ran, if the drafts are accepted."""
+        raise NotImplementedError
 
-    @abstractmethod
     def _first_logits(self, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """The catch-up forward: packed feeds -> logits `[R, V]` at each row's last token."""
+        raise NotImplementedError
 
-    @abstractmethod
     def _next_logits(self, layout: StepLayout, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """One drafted token for each of `rows` (indices of the plan's rows) -> logits `[len(rows), V]`."""
+        raise NotImplementedError
 
     # -- the plan and the loop --
     def plan(self, requests: list[Request], num_tokens: list[int], buf: HostBuffer, prefix: str = "draft") -> DraftPlan:
+        assert self.block_size, "allocate() first"
         assert requests and all(k > 0 for k in num_tokens)
         catch_up = [self._catch_up(r) for r in requests]
         starts = [start for start, _ in catch_up]
@@ -160,8 +133,10 @@ class DeviceProposer(ABC):
         )
 
     @torch.inference_mode()
-    def run(self, plan: DraftPlan, arrays: DeviceArrays) -> DeviceDraft:
-        """The K draft forwards, on the device, with no host transfer."""
+    def run(self, plan: DraftPlan, arrays: DeviceArrays) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The K draft forwards, on the device, with no host transfer: drafted ids `[R, k_max]`
+        (positions >= a row's k are padding) and q `[R, k_max, V]` (zero past a row's k; None
+        when every row is greedy)."""
         p, vocab = plan.prefix, self.vocab_size
         num_rows = len(plan.requests)
         params = [r.params for r in plan.requests]
@@ -199,4 +174,4 @@ class DeviceProposer(ABC):
                 counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=counts.dtype), accumulate=True)
         for request, fed in zip(plan.requests, plan.fed_after):
             self._computed[request.request_id] = fed
-        return DeviceDraft(drafted, q)
+        return drafted, q

@@ -8,31 +8,51 @@ context. The plan and the K-forward loop are `speculation.device_draft`'s.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import replace
 
 import torch
 
 from models.forward import forward_step
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, StepLayout
-from models.loader import LoadedModel
+from models.loader import LoadedModel, check_draft_compatible, load_model
 from scheduler.types import Request
-from speculation.device_draft import DeviceDraft, DeviceProposer, DraftPlan
-from speculation.proposers import CAPABILITIES, Capabilities
-
-__all__ = ["DeviceDraft", "DraftModelProposer", "DraftPlan"]
+from speculation.device_draft import DeviceProposer
+from speculation.proposer import BuildContext
 
 
 class DraftModelProposer(DeviceProposer):
     method = "draft_model"
-    capabilities: ClassVar[Capabilities] = CAPABILITIES[method]
 
-    def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int, vocab_size: int):
-        super().__init__(vocab_size, block_size)
+    def __init__(self, draft: LoadedModel, vocab_size: int):
+        super().__init__(vocab_size)
         self.draft = draft
         draft.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.cache: KVCache | None = None
+
+    @classmethod
+    def build(cls, context: BuildContext) -> DraftModelProposer:
+        """Load the draft model as the target was loaded (dtype, device, kernels, attention)."""
+        target = context.target
+        config = replace(
+            context.loaded_as,
+            model=str(context.config.draft_model),
+            dtype=str(target.dtype).removeprefix("torch."),
+            device=target.device.type,
+            tune_kernels=target.kernels.is_tuned,
+        )
+        draft = load_model(config)
+        check_draft_compatible(target, draft)
+        return cls(draft, target.vocab_size)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return KVCache.bytes_per_block(self.draft.model.config, block_size, self.draft.dtype)
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        super().allocate(num_blocks, block_size)
         # The same block ids as the target's pool: a request's block table serves both.
         # (A block shared through the prefix cache is rewritten by each request's
         # catch-up feed with the same tokens; only draft quality could differ.)
+        draft = self.draft
         self.cache = KVCache.for_model(draft.model.config, num_blocks, block_size, draft.dtype, draft.device)
 
     def _catch_up(self, request: Request) -> tuple[int, list[int]]:
@@ -44,9 +64,11 @@ class DraftModelProposer(DeviceProposer):
         return start + len(feed) + k - 1  # the drafts fed back too; `verified` trims the rejected ones
 
     def _first_logits(self, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        assert self.cache is not None, "allocate() first"
         return _to_vocab(forward_step(self.draft.model, self.cache, layout, input_ids, keep), self.vocab_size)
 
     def _next_logits(self, layout: StepLayout, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.cache is not None, "allocate() first"
         return _to_vocab(forward_step(self.draft.model, self.cache, layout, tokens, 0), self.vocab_size)
 
 

@@ -27,46 +27,77 @@ only draft quality (never output) can differ.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
-from models.eagle_head import EagleHead, HeadConfig
-from models.forward import laid_out
+from models.eagle_head import EagleHead, held_out_rates, load_head
+from models.forward import check_plain_logits, laid_out
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, StepLayout
 from models.transfer import DeviceArrays
 from scheduler.types import Request
-from speculation.device_draft import DeviceDraft, DeviceProposer, DraftPlan
-from speculation.proposers import CAPABILITIES, Capabilities
+from speculation.device_draft import DeviceProposer, DraftPlan
+from speculation.proposer import BuildContext
+
+logger = logging.getLogger("specd.speculation")
 
 
 class EagleProposer(DeviceProposer):
     method = "eagle"
-    capabilities: ClassVar[Capabilities] = CAPABILITIES[method]
+    uses_features = True
 
-    def __init__(self, head: EagleHead, head_dir: Path, num_blocks: int, block_size: int, vocab_size: int):
-        super().__init__(vocab_size, block_size)
+    def __init__(self, head: EagleHead, head_dir: Path, vocab_size: int):
+        super().__init__(vocab_size)
         self.head = head
         self.head_dir = Path(head_dir)
-        weight = head.fc.weight
-        llama = head.config.llama_config(ATTN_IMPLEMENTATION)
+        self.feature_layers = head.config.feature_layers
+        self.cache: KVCache | None = None
+        # [pool rows, H]: the target's features of every position, in the KV pool's layout,
+        # stored after each target forward (`store_features`).
+        self.features: torch.Tensor | None = None
+        self._g: torch.Tensor | None = None  # [R, H] each row's latest g, during `run`
+
+    @classmethod
+    def build(cls, context: BuildContext) -> EagleProposer:
+        """Load the head made for this target (`HeadMismatch` if it was made for another)."""
+        target, head_dir = context.target, Path(str(context.config.draft_head))
+        check_plain_logits(target.model)
+        head = load_head(head_dir, target.model)
+        head.use_kernels(target.kernels)  # as the target computes
+        layers = head.config.feature_layers
+        logger.info(
+            "EAGLE head %s (draft vocabulary %d, features: %s)",
+            head_dir,
+            head.config.draft_vocab_size,
+            f"layers {layers} fused" if layers else "last hidden state",
+        )
+        return cls(head, head_dir, target.vocab_size)
+
+    @property
+    def prior_rates(self) -> tuple[float, ...]:
+        """Its held-out acceptance per draft position, from its training record."""
+        return held_out_rates(self.head.config.training)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Its own KV and the features."""
+        config, dtype = self.head.config, self.head.fc.weight.dtype
+        kv = KVCache.bytes_per_block(config.llama_config(ATTN_IMPLEMENTATION), block_size, dtype)
+        return kv + block_size * config.hidden_size * dtype.itemsize
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        super().allocate(num_blocks, block_size)
+        weight = self.head.fc.weight
+        llama = self.head.config.llama_config(ATTN_IMPLEMENTATION)
         self.cache = KVCache.for_model(llama, num_blocks, block_size, weight.dtype, weight.device)
         self.features = torch.zeros(
-            num_blocks * block_size, head.config.hidden_size, dtype=weight.dtype, device=weight.device
+            num_blocks * block_size, self.head.config.hidden_size, dtype=weight.dtype, device=weight.device
         )
-        self.feature_layers = head.config.feature_layers
-        self._g: torch.Tensor | None = None  # [R, H] each row's latest g, during `run`
 
     def store_features(self, dest: torch.Tensor, states: torch.Tensor) -> None:
         # Fused once here, as they arrive: the pool holds H floats a position whatever the layers.
-        super().store_features(dest, self.head.target_features(states))
-
-    @staticmethod
-    def bytes_per_block(config: HeadConfig, block_size: int, dtype: torch.dtype) -> int:
-        """What one KV block costs the head besides the target's KV: its own KV and the features."""
-        kv = KVCache.bytes_per_block(config.llama_config(ATTN_IMPLEMENTATION), block_size, dtype)
-        return kv + block_size * config.hidden_size * dtype.itemsize
+        assert self.features is not None, "allocate() first"
+        self.features.index_copy_(0, dest, self.head.target_features(states).to(self.features.dtype))
 
     def info(self) -> dict:
         """The head as GET /v1/speculation shows it: its directory's name, not where it lies on disk."""
@@ -78,7 +109,7 @@ class EagleProposer(DeviceProposer):
             "training": config.training,
         }
 
-    def run(self, plan: DraftPlan, arrays: DeviceArrays) -> DeviceDraft:
+    def run(self, plan: DraftPlan, arrays: DeviceArrays) -> tuple[torch.Tensor, torch.Tensor | None]:
         try:
             return super().run(plan, arrays)
         finally:
@@ -109,5 +140,6 @@ class EagleProposer(DeviceProposer):
         return self.head.full_logits(g)
 
     def _forward(self, features: torch.Tensor, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+        assert self.cache is not None, "allocate() first"
         with laid_out(self.cache, layout):
             return self.head(features, input_ids, layout.token_pos, cache=self.cache, specd_layout=layout)

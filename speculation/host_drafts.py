@@ -1,29 +1,29 @@
-"""Model-free drafts on the host: Predicted Outputs, prompt lookup, suffix decoding's own.
+"""Model-free drafts on the host: Predicted Outputs, prompt lookup, a host proposer's own.
 
-One place decides which host proposer drafts for a row (its prediction, else prompt lookup:
-the proposer itself or the lookup beside a draft model or head), makes each row's draft for
-the next step at the end of the step that produced its tokens (on the step thread, carried
-on the request as `HostDraft`), and answers the policy's and the step's questions from it,
-so a draft is proposed once per step, never on the event loop in the common case.
+One place decides which host proposer drafts for a row (its prediction, else the proposer
+when it drafts ahead, else the prompt lookup beside a device proposer), makes each row's
+draft for the next step at the end of the step that produced its tokens (on the step
+thread, carried on the request as `Request.draft`), and answers the policy's and the step's
+questions from it, so a draft is proposed once per step, never on the event loop in the
+common case. It reads proposers only through `Proposer` and their capabilities.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import cast
 
-from scheduler.types import MAX_SPEC_TOKENS, HostDraft, Request, RowOutput, ScheduledRow
-from speculation.device_draft import DeviceProposer
-from speculation.proposers import Draft, NgramProposer, PredictionProposer, Proposer, TokensAfter
+from scheduler.types import MAX_SPEC_TOKENS, Draft, Request, RowOutput, ScheduledRow
+from speculation.prediction import PredictionProposer
+from speculation.proposer import Proposer
 
-logger = logging.getLogger("specd.models")
+logger = logging.getLogger("specd.speculation")
 
 
 class HostDrafts:
     """The host side of a runner's drafting; `proposer` is the runner's (any kind), `lookup`
     prompt lookup beside a device proposer (else None)."""
 
-    def __init__(self, proposer: Proposer | DeviceProposer | None, lookup: NgramProposer | None):
+    def __init__(self, proposer: Proposer | None, lookup: Proposer | None):
         self.proposer = proposer
         self.lookup = lookup
         self.prediction = PredictionProposer()
@@ -44,13 +44,13 @@ class HostDrafts:
     def on_device(self) -> bool:
         return self.proposer is not None and self.proposer.capabilities.on_device
 
-    def proposer_for(self, request: Request) -> NgramProposer | PredictionProposer | None:
-        """The proposer that drafts ahead for a row: its prediction, else prompt lookup (the
-        proposer itself, or the lookup beside a device proposer); None: no such draft."""
+    def proposer_for(self, request: Request) -> Proposer | None:
+        """The proposer that drafts ahead for a row: its prediction, else the runner's proposer
+        where it drafts ahead, else the lookup beside a device proposer; None: no such draft."""
         if request.prediction_ids:
             return self.prediction
         if self.drafts_ahead:
-            return cast(NgramProposer, self.proposer)
+            return self.proposer
         return self.lookup
 
     # -- what the policy asks while it plans (event loop) --
@@ -70,22 +70,22 @@ class HostDrafts:
 
     def drafts(self, requests: list[Request], num_tokens: list[int]) -> list[Draft | None]:
         """Each row's host draft of at most k tokens: the one made at the end of the last
-        step (`Request.host_draft`) where it covers the request's tokens, else made now."""
+        step (`Request.draft`) where it covers the request's tokens, else made now."""
         drafts: list[Draft | None] = []
         for request, k in zip(requests, num_tokens):
             proposer = self.proposer_for(request)
             if proposer is None:
                 drafts.append(None)
                 continue
-            cached = request.host_draft
+            cached = request.draft
             if cached is not None and cached.fits(proposer.method, request.num_tokens, k):
-                drafts.append(Draft(cached.token_ids[:k], proposer.method))
+                drafts.append(Draft(proposer.method, cached.token_ids[:k]))
                 continue
             try:
                 (draft,) = proposer.propose([request], [k])
             except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
                 logger.exception("%s proposer failed; this row drafts nothing this step", proposer.method)
-                draft = Draft([], proposer.method)
+                draft = Draft(proposer.method, [])
             drafts.append(draft)
         return drafts
 
@@ -101,11 +101,11 @@ class HostDrafts:
             on_device = [i for i in spec if i not in host]
         elif self.drafts_ahead:
             host, on_device = spec, []
-        else:  # suffix decoding (its own drafts) or none: host drafts for predictions only
+        else:  # a proposer that drafts for the step in hand (suffix decoding), or none
             host = [i for i in spec if rows[i].request.prediction_ids]
             others = [i for i in spec if not rows[i].request.prediction_ids]
             if self.proposer is not None:
-                _run(cast(Proposer, self.proposer), rows, others, drafts, [rows[i].num_spec_tokens for i in others])
+                _run(self.proposer, rows, others, drafts, [rows[i].num_spec_tokens for i in others])
             on_device = []
         self._fill(drafts, rows, host, [rows[i].num_spec_tokens for i in host])
         return drafts, on_device if device_drafting else []
@@ -117,29 +117,28 @@ class HostDrafts:
         want = [i for i, row in enumerate(rows) if row.num_shadow_tokens and row.sample]
         host = [i for i in want if self.proposer_for(rows[i].request) is not None]
         self._fill(drafts, rows, host, [rows[i].num_shadow_tokens for i in host])
-        if self.proposer is not None and not self.on_device:  # suffix decoding's own
+        if self.proposer is not None and not self.on_device:  # a proposer that drafts for the step in hand
             own = [i for i in want if i not in host]
-            _run(cast(Proposer, self.proposer), rows, own, drafts, [rows[i].num_shadow_tokens for i in own])
+            _run(self.proposer, rows, own, drafts, [rows[i].num_shadow_tokens for i in own])
         return {i: d.token_ids for i, d in enumerate(drafts) if d is not None}
 
     def make_next(self, sampled: list[tuple[Request, RowOutput | None]]) -> None:
-        """Make each sampled row's host draft for the step after this one (into
-        `RowOutput.next_host_draft`), so the policy and the next step only read it."""
+        """Make each sampled row's draft for the step after this one (into `RowOutput.next_draft`),
+        so the policy and the next step only read it."""
         for request, out in sampled:
             proposer = self.proposer_for(request)
             if proposer is None or out is None or not out.token_ids:
                 continue
             if len(request.output_ids) + len(out.token_ids) >= request.params.max_tokens:
                 continue  # the request ends with this step
-            after = TokensAfter(request.request_id, request.prompt_ids, request.output_ids + out.token_ids,
-                                request.prediction_ids)  # fmt: skip
             try:
-                (draft,) = proposer.propose([after], [MAX_SPEC_TOKENS])
+                (draft,) = proposer.propose([request], [MAX_SPEC_TOKENS], pending=[out.token_ids])
             except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
                 logger.exception("%s proposer failed; the next step makes its draft again", proposer.method)
                 continue
-            num_tokens = len(request.prompt_ids) + len(after.output_ids)
-            out.next_host_draft = HostDraft(proposer.method, num_tokens, MAX_SPEC_TOKENS, draft.token_ids)
+            draft.num_tokens = request.num_tokens + len(out.token_ids)
+            draft.max_tokens = MAX_SPEC_TOKENS
+            out.next_draft = draft
 
     def _fill(self, drafts: list[Draft | None], rows: list[ScheduledRow], index: list[int], k: list[int]) -> None:
         for i, draft in zip(index, self.drafts([rows[i].request for i in index], k)):

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from scheduler.types import Request
+from scheduler.types import PLAIN_REASONS, Request, StepPlan
+from speculation import registry
 from speculation.config import SpecConfig
 from speculation.cost_model import StepCostModel, StepShape
 from speculation.estimates import AcceptanceEstimates, RowEstimate
-from speculation.proposers import CAPABILITIES, LOOKUP_METHOD, Capabilities, Drafting
-
-NO_CAPABILITIES = Capabilities()  # a row with no proposer: nothing drafts ahead, nothing on the device
+from speculation.proposer import Drafting
+from speculation.registry import Capabilities
 
 MAX_PROBE_BACKOFF = 3  # a failing row's probe wait doubles up to probe_interval * 8
 NO_PREFILL = StepShape(0)  # a step of decode rows only
@@ -40,21 +40,6 @@ EXPLORE_BELOW, EXPLORE_MARGIN = 0.5, 2.0
 # stop speculating where it paid (served mix traffic at 4 requests: 24 steps of 158 ran
 # plain for want of it in one run, 4-7 in the others).
 REQUIRED_EDGE = 0.05
-# Why a step with `auto` rows ran plain (`StepPlan.plain_reason`, counted per reason).
-PLAIN_REASONS = ("cap", "no_draft", "budget", "no_gain", "margin", "explore")
-
-
-@dataclass
-class StepPlan:
-    """What the policy expected of the step it planned."""
-
-    expected_tokens: float
-    predicted_seconds: float | None
-    num_rows: int = 0  # decode rows the expectation covers
-    edge: float = 1.0  # predicted tokens per second of the chosen step over the plain step's
-    lookup_rows: frozenset[int] = frozenset()  # rows (by index) that draft by prompt lookup
-    probe_rows: frozenset[int] = frozenset()  # rows (by index) whose device proposer drafts unverified
-    plain_reason: str | None = None  # set where auto rows could have drafted and the step runs plain
 
 
 @dataclass
@@ -75,12 +60,13 @@ class SpecPolicy:
         self.estimates = AcceptanceEstimates(c.decay, c.prior_acceptance, c.prior_rates, self.drafting.method)
 
     def method_of(self, request: Request) -> str | None:
+        """The proposer that drafts for the row: its prediction's, else the engine's (None: none)."""
         if request.prediction_ids is not None:
-            return "prediction"
-        return self.drafting.method if self.drafting.method in CAPABILITIES else None
+            return registry.PREDICTION.name
+        return self.drafting.method if self.drafting.method in registry.REGISTRY else None
 
     def capabilities(self, request: Request) -> Capabilities:
-        return CAPABILITIES.get(self.method_of(request) or "", NO_CAPABILITIES)
+        return registry.capabilities(self.method_of(request))
 
     def uses_lookup(self, request: Request) -> bool:
         """The row may draft by prompt lookup instead of its device proposer."""
@@ -95,7 +81,7 @@ class SpecPolicy:
         return self.config.lookup_tokens if k is None else k
 
     def row(self, request: Request, lookup: bool = False) -> RowEstimate:
-        method = LOOKUP_METHOD if lookup else self.method_of(request)
+        method = registry.LOOKUP.name if lookup else self.method_of(request)
         return self.estimates.row(request.request_id, method, lookup)
 
     # -- deciding --
@@ -125,7 +111,7 @@ class SpecPolicy:
                 continue
             # A prediction is the client's own draft (OpenAI's Predicted Outputs): used whenever
             # the operator's cap allows, as OpenAI always uses it, not second-guessed.
-            if mode is True or not self.config.adaptive or self.method_of(request) == "prediction":
+            if mode is True or not self.config.adaptive or request.prediction_ids is not None:
                 forced.append(i)
             else:
                 auto_rows.append(i)
@@ -320,14 +306,15 @@ class SpecPolicy:
         """A verify step of `request`: the drafts it carried (by `method`, default the row's
         proposer), and how many were accepted."""
         if num_drafted:
-            state = self.row(request, lookup=method == LOOKUP_METHOD and self.uses_lookup(request))
+            state = self.row(request, lookup=method == registry.LOOKUP.name and self.uses_lookup(request))
             self.estimates.verified(state, num_drafted, num_accepted)
             state.plain_steps = 0
 
-    def observe_probe(self, request: Request, draft_id: int, emitted: int, accept: float | None = None) -> None:
-        """Grade a probe against the token the row emitted. `accept`, where the runner gives
-        it, is the chance the rejection sampler would have accepted the token, min(1, p/q):
-        for a sampled row, emitting the drafted token is rarer than accepting it."""
+    def observe_probe(self, request: Request, draft_id: int, emitted: int, accept: float | None = None) -> float:
+        """Grade a probe against the token the row emitted, and return how accepted it was.
+        `accept`, where the runner gives it, is the chance the rejection sampler would have
+        accepted the token, min(1, p/q): for a sampled row, emitting the drafted token is rarer
+        than accepting it."""
         state = self.row(request)
         if accept is None or not math.isfinite(accept):
             accept = float(draft_id == emitted)
@@ -338,11 +325,12 @@ class SpecPolicy:
         # One accepted token is weak evidence for a row that stopped paying: the wait
         # shortens a step at a time, and the acceptance estimate decides the rest.
         state.probe_backoff = min(max(state.probe_backoff + (-1 if accepted >= 0.5 else 1), 0), MAX_PROBE_BACKOFF)
+        return accepted
 
     def observe_shadow(self, request: Request, draft_ids: list[int], emitted: list[int]) -> None:
         """Grade the row's pending shadow draft (starting `draft_ids` if none) with its emitted tokens."""
         state = self.row(request, lookup=self.uses_lookup(request))
-        priced = state.method is not None and CAPABILITIES[state.method].priced
+        priced = registry.capabilities(state.method).priced
         self.estimates.shadowed(state, draft_ids, emitted, priced)
 
     def observe_step(self, shape: StepShape, seconds: float, plan: StepPlan | None, emitted: int) -> None:

@@ -19,12 +19,12 @@ while it holds more, however many salts it mints.
 
 from __future__ import annotations
 
+import collections.abc
 from collections import deque
 from dataclasses import dataclass
-from typing import ClassVar
 
-from scheduler.types import FinishReason, Request
-from speculation.proposers import CAPABILITIES, Capabilities, Draft
+from scheduler.types import Draft, FinishReason, Request
+from speculation.proposer import BuildContext, Proposer
 from speculation.suffix_tree import Cursor, Matcher, Sequence, SuffixTree
 
 
@@ -113,9 +113,8 @@ class _Row:
     cached: tuple[int, int, Draft] | None = None  # (context length, tokens asked, draft)
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     method = "suffix"
-    capabilities: ClassVar[Capabilities] = CAPABILITIES[method]
 
     def __init__(self, config: SuffixConfig | None = None):
         self.config = config or SuffixConfig()
@@ -123,7 +122,17 @@ class SuffixProposer:
         self._rows: dict[str, _Row] = {}
         self.work = 0  # tree steps done by propose: what a test can count
 
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
+    @classmethod
+    def build(cls, context: BuildContext) -> SuffixProposer:
+        return cls(SuffixConfig(cache_requests=context.config.suffix_cache_requests))
+
+    def propose(
+        self,
+        requests: collections.abc.Sequence[Request],
+        num_tokens: list[int],
+        pending: collections.abc.Sequence[list[int]] | None = None,
+    ) -> list[Draft]:
+        assert pending is None, "suffix decoding drafts for the step in hand, never ahead"
         return [self._propose(self._row(request), k) for request, k in zip(requests, num_tokens)]
 
     def free(self, request_id: str) -> None:
@@ -134,7 +143,7 @@ class SuffixProposer:
             self.cache.add(row.request.tenant, row.request.cache_scope, list(row.request.output_ids))
 
     @property
-    def num_cache_nodes(self) -> int:
+    def cache_nodes(self) -> int:
         return self.cache.num_nodes
 
     def summary(self) -> dict:
@@ -160,7 +169,7 @@ class SuffixProposer:
         if row.cached is not None:
             length, asked, draft = row.cached
             if length == len(context) and k <= asked:  # the policy's preview of this very step
-                return Draft(draft.token_ids[:k], self.method, token_probs=(draft.token_probs or [])[:k])
+                return Draft(self.method, draft.token_ids[:k], (draft.token_probs or [])[:k])
         best: tuple[float, list[int], list[float]] = (0.0, [], [])
         tenant_tree = self.cache.get(row.request.cache_scope)
         trees = [row.tree] if tenant_tree is None else [row.tree, tenant_tree]
@@ -172,7 +181,7 @@ class SuffixProposer:
             if candidate[0] > best[0]:
                 best = candidate
         self.work += sum(tree.work for tree in trees) - before
-        draft = Draft(best[1], self.method, token_probs=best[2])
+        draft = Draft(self.method, best[1], best[2])
         row.cached = (len(context), k, draft)
         return draft
 

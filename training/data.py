@@ -25,15 +25,15 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from models.builder import ProposerConfig, build_runner
 from models.forward import captured_layers, side_by_side
 from models.loader import LoadedModel
-from models.runner import RunnerConfig
 from scheduler.offline import Completion, run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import FinishReason, Request, SamplingParams
-from speculation.config import SpecConfig
+from speculation.config import ProposerConfig, SpecConfig
 from training.prompts import TrainingPrompt
+from worker.builder import build_runner
+from worker.runner import RunnerConfig
 
 logger = logging.getLogger("specd.training")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from server.serving_chat import CHATML_TEMPLATE
+from models.chat_template import chat_text
 
 logger = logging.getLogger("specd.training")
 
@@ -39,12 +39,7 @@ class TrainingPrompt:
         """Token ids the target is prompted with, exactly as the server would build them."""
         if self.messages is None:
             return tokenizer.encode(self.text or "")
-        text = tokenizer.apply_chat_template(
-            self.messages,
-            tokenize=False,
-            add_generation_prompt=True,
-            chat_template=None if tokenizer.chat_template else CHATML_TEMPLATE,
-        )
+        text = chat_text(tokenizer, self.messages)
         return tokenizer.encode(text, add_special_tokens=False)
 
 

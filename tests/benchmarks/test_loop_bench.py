@@ -10,12 +10,13 @@ from benchmarks.common import chat_ids, load
 from benchmarks.lengths import max_tokens_per_request
 from benchmarks.loop_bench import LoopConfig, loop_section, shared_cost_model
 from benchmarks.serve_client import load_prompts
-from models.builder import ProposerConfig, build_runner
-from models.runner import RunnerConfig
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
+from speculation.config import ProposerConfig
 from speculation.cost_model import StepShape
+from worker.builder import build_runner
+from worker.runner import RunnerConfig
 
 
 def test_closed_loop_runs_every_mode_and_counts_the_batch(tiny_llama_dir):

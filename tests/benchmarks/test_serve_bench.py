@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import serve_bench, serve_client, serve_report
 from benchmarks.peers import Peer, VllmServe
-from speculation.policy import PLAIN_REASONS
+from scheduler.types import PLAIN_REASONS
 
 MODES = ("off", "on", "auto")
 LEVELS = (1, 2)

@@ -143,9 +143,13 @@ def target_and_draft(tiny_dirs) -> tuple[LoadedModel, LoadedModel]:
 
 def test_draft_with_same_tokenizer_is_compatible(target_and_draft):
     target, draft = target_and_draft
-    check_draft_compatible(target, draft)
+    assert check_draft_compatible(target, draft) is None  # accepted: it raises on a mismatch
     # Padded output embeddings (more rows than tokenizer ids) are accepted.
-    check_draft_compatible(target, dataclasses.replace(draft, vocab_size=draft.vocab_size + 64))
+    assert check_draft_compatible(target, dataclasses.replace(draft, vocab_size=draft.vocab_size + 64)) is None
+    # The same draft one row short of the tokenizer's largest id is refused: the check is live.
+    max_id = max(draft.tokenizer.get_vocab().values())
+    with pytest.raises(ValueError, match=f"the draft embeds only {max_id} tokens"):
+        check_draft_compatible(target, dataclasses.replace(draft, vocab_size=max_id))
 
 
 def test_draft_with_other_vocabulary_is_refused(target_and_draft):

@@ -1,4 +1,4 @@
-"""Machinery of the reliability suite and `soak.py`, beside what every suite shares
+"""Machinery of the reliability suite and `benchmarks/soak.py`, beside what every suite shares
 (tests/support: the cycle model and its oracle `CycleText`, the server process,
 started here with `probe=True` for its test-only `GET /_probe`, and /metrics):
 

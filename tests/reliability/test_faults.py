@@ -13,15 +13,15 @@ import time
 import httpx
 import pytest
 
-from models.builder import ProposerConfig, build_runner
 from models.loader import ModelConfig, load_model
-from models.runner import RunnerConfig
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import FinishReason, Request, SamplingParams
-from speculation.config import SpecConfig
+from speculation.config import ProposerConfig, SpecConfig
 from tests.reliability.rel_harness import CYCLE_NAME, leaked_bookkeeping, sse_events, stream_text
 from tests.support.cycle import CYCLE_TEXT
+from worker.builder import build_runner
+from worker.runner import RunnerConfig
 
 # -- over HTTP: the test-only `fault` field -----------------------------------------------
 

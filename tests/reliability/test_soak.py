@@ -1,4 +1,4 @@
-"""The soak's short version (`soak.py` runs the long one): mixed requests, then no
+"""The soak's short version (`benchmarks/soak.py` runs the long one): mixed requests, then no
 RSS growth after warm-up, no leaked KV or per-request state, no extra tasks or
 threads, and a last-quarter p99 in line with the first."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.reliability.soak import run_soak
+from benchmarks.soak import run_soak
 
 CI_REQUESTS = 200
 

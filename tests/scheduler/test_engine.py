@@ -8,15 +8,15 @@ import time
 import pytest
 import torch
 
-from models.builder import ProposerConfig, build_runner
 from models.loader import ModelConfig, load_model
-from models.runner import RunnerConfig
 from scheduler.engine import AsyncEngine, EngineDeadError
 from scheduler.offline import collect, run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import FinishReason, Request, SamplingParams
-from speculation.config import SpecConfig
-from speculation.proposers import Drafting
+from speculation.config import ProposerConfig, SpecConfig
+from speculation.proposer import Drafting
+from worker.builder import build_runner
+from worker.runner import RunnerConfig
 
 PROMPTS = ["Hello world", "def add(a, b):", "The quick brown fox", "for i in range(10):\n"]
 

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
 from scheduler.metrics import LATENCY_BUCKETS, METRICS, PROTOCOL_METRICS, MetricsObserver
-from scheduler.types import FinishedRequestStats, FinishReason, QueueState, SpecCounts, StepStats
+from scheduler.types import FinishedRequestStats, FinishReason, QueueState, SpecCounts, StepPlan, StepStats
 from tests.support.metrics import Metrics
 
 MODEL = "tiny-llama"
@@ -52,7 +52,7 @@ def plain_step() -> StepStats:
         num_prompt_tokens=11,
         num_generation_tokens=3,
         phase_seconds={"prefill": 0.15, "decode": 0.05},
-        plain_reason="margin",
+        plan=StepPlan(expected_tokens=0.0, predicted_seconds=None, plain_reason="margin"),
         token_gaps=[(1, 0.2)],
         first_token_latencies=[0.2, 0.3],
         queue_seconds=[0.01, 0.02],

@@ -7,14 +7,14 @@ import asyncio
 
 import pytest
 
-from models.builder import ProposerConfig, build_runner
 from models.loader import ModelConfig, load_model
-from models.runner import RunnerConfig
 from scheduler.engine import AsyncEngine
 from scheduler.offline import Completion, collect
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
-from speculation.config import SpecConfig
+from speculation.config import ProposerConfig, SpecConfig
+from worker.builder import build_runner
+from worker.runner import RunnerConfig
 
 BLOCK = 8
 SYSTEM = "You are a careful assistant. Answer in one short line, and repeat the question first. " * 2

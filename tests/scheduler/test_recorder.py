@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from scheduler.recorder import StepRecorder
@@ -18,7 +20,7 @@ from scheduler.types import (
     StepStats,
 )
 from speculation.config import SpecConfig
-from speculation.proposers import Drafting
+from speculation.proposer import Drafting
 
 
 @pytest.fixture
@@ -71,30 +73,48 @@ def test_idle_flushes_finishes_published_without_a_step(recorded):
     assert recorder.num_tracked == 0
 
 
-def test_an_observer_fault_is_contained(recorded):
-    recorder, _ = recorded
+def test_an_observer_fault_is_contained(recorded, caplog):
+    recorder, seen = recorded
+    working = recorder.observer
 
     def broken(stats: StepStats) -> None:
         raise ValueError("observer bug")
 
     recorder.observer = broken
-    recorder.idle()  # logs, does not raise
+    with caplog.at_level(logging.ERROR, logger="specd.engine"):
+        recorder.idle()  # logs, does not raise
+    (record,) = [r for r in caplog.records if r.name == "specd.engine"]
+    assert "the step observer failed" in record.getMessage()
+    assert record.exc_info is not None and isinstance(record.exc_info[1], ValueError)
+    # The recorder keeps working: the next report reaches a restored observer.
+    recorder.observer = working
+    recorder.arrived("c")
+    recorder.published([RequestOutput("c", [], finished=True, finish_reason=FinishReason.ABORT)])
+    recorder.idle()
+    (stats,) = seen
+    assert [f.finish_reason for f in stats.finished] == [FinishReason.ABORT]
 
 
-def test_probes_the_policy_graded_are_reported_once_by_proposer():
+def test_the_probes_a_step_graded_are_reported_by_proposer():
+    """The scheduler grades probes into the step's plan as it applies the step; the recorder
+    reports them from the plan it is handed, never from the policy's running totals."""
     seen: list[StepStats] = []
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64), Drafting("eagle"))
     recorder = StepRecorder(scheduler, seen.append)
-    request = Request("p", [1, 2, 3], SamplingParams(max_tokens=8, seed=0))
-    batch = Batch(rows=[ScheduledRow(request, [3], 3, sample=True)])
-    step = StepOutput(rows=[RowOutput("p", [5])])
-    scheduler.policy.observe_probe(request, draft_id=5, emitted=5)
-    scheduler.policy.observe_probe(request, draft_id=6, emitted=5, accept=0.25)  # a sampled row's chance
-    recorder.step(batch, step, [], 0.01)
-    recorder.step(batch, step, [], 0.01)  # nothing graded since
-    first, second = seen
-    assert first.probes == {"eagle": (2, pytest.approx(1.25))}
-    assert second.probes == {}
+    for rid in ("a", "b"):
+        scheduler.add(Request(rid, [1, 2, 3], SamplingParams(max_tokens=8, seed=0, ignore_eos=True)))
+    batch, _ = scheduler.schedule()  # the prefills
+    prefill = StepOutput(rows=[RowOutput("a", [5]), RowOutput("b", [5])])
+    scheduler.update(batch, prefill, 0.01)
+    recorder.step(batch, prefill, [], 0.01, scheduler.last_plan)
+    batch, _ = scheduler.schedule()
+    plan = scheduler.last_plan
+    assert plan is not None and len(batch.rows) == 2
+    probed = StepOutput(rows=[RowOutput("a", [5], probe_id=5), RowOutput("b", [5], probe_id=6, probe_accept=0.25)])
+    scheduler.update(batch, probed, 0.01)
+    recorder.step(batch, probed, [], 0.01, plan)
+    assert seen[0].probes == {}
+    assert seen[1].plan is plan and seen[1].probes == {"eagle": (2, pytest.approx(1.25))}
 
 
 def test_a_plain_step_reports_why_its_auto_rows_did_not_draft():
@@ -107,5 +127,5 @@ def test_a_plain_step_reports_why_its_auto_rows_did_not_draft():
         batch, _ = scheduler.schedule()
         output = StepOutput(rows=[RowOutput("a", [5])])
         scheduler.update(batch, output, 0.01)
-        recorder.step(batch, output, [], 0.01)
-    assert [stats.plain_reason for stats in seen] == [None, "cap"]
+        recorder.step(batch, output, [], 0.01, scheduler.last_plan)
+    assert [stats.plan.plain_reason if stats.plan else None for stats in seen] == [None, "cap"]

@@ -15,7 +15,7 @@ from scheduler.types import (
     StepOutput,
 )
 from speculation.config import SpecConfig
-from speculation.proposers import Drafting
+from speculation.proposer import Drafting
 
 EOS = 99
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from models.builder import ProposerConfig, build_runner
 from models.loader import ModelConfig, load_model
-from models.runner import RunnerConfig
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
-from speculation.config import SpecConfig
+from speculation.config import ProposerConfig, SpecConfig
 from tests.support.stats import same_token_distribution_p_value
+from worker.builder import build_runner
+from worker.runner import RunnerConfig
 
 PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G", "for i in range(10):\n"]
 SAMPLING_EXTRAS = dict(

@@ -147,10 +147,10 @@ def test_eagle_needs_a_head_unless_the_bundled_model_has_one(clean_env, tmp_path
 
     with pytest.raises(ValueError, match="--draft eagle needs --draft-head DIR"):
         Settings(draft="eagle", model="some/model")
-    clean_env.setattr(server.config, "BUNDLED_HEAD_DIR", tmp_path / "missing")
-    with pytest.raises(ValueError, match="default head .* does not exist"):
+    clean_env.setitem(server.config.BUNDLED_OPTIONS, "draft_head", tmp_path / "missing")
+    with pytest.raises(ValueError, match="the bundled model's default .* does not exist"):
         Settings(draft="eagle")
-    clean_env.setattr(server.config, "BUNDLED_HEAD_DIR", tmp_path)
+    clean_env.setitem(server.config.BUNDLED_OPTIONS, "draft_head", tmp_path)
     assert Settings(draft="eagle").resolved_draft_head == tmp_path  # the bundled model, and its head exists
     assert Settings(draft_head="h").resolved_draft == "eagle" and Settings().resolved_draft_head is None
     assert Settings(draft="eagle", model="m", draft_head="h").resolved_draft_head == Path("h")

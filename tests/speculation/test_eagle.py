@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from models.builder import ProposerConfig, build_runner
 from models.eagle_head import HeadMismatch, held_out_rates, load_head
 from models.linear_kernels import (
     PADDED,
@@ -24,20 +23,21 @@ from models.linear_kernels import (
     TunedLinear,
 )
 from models.loader import ModelConfig, load_model
-from models.runner import ModelRunner, RunnerConfig
 from models.transfer import HostBuffer
 from scheduler.engine import AsyncEngine
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
 from server.protocol import SpeculationInfo
-from speculation.config import SpecConfig
+from speculation.config import ProposerConfig, SpecConfig
 from speculation.cost_model import step_shape
 from speculation.eagle import EagleProposer
 from tests.support.cycle import build_cycle_head, cycle_ids
 from tests.support.stats import same_token_distribution_p_value
 from tests.support.tensors import slot_table
 from tests.support.tiny_models import build_head
+from worker.builder import build_runner
+from worker.runner import ModelRunner, RunnerConfig
 
 PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G", "for i in range(10):\n"]
 SLOTS, MAX_LEN, BLOCK = 4, 256, 16
@@ -234,12 +234,12 @@ def test_features_and_q_after_rejections_equal_an_unpaged_reference(
     n = request.num_computed_tokens
     buf = HostBuffer()
     plan = proposer.plan([request], [4], buf)
-    draft = proposer.run(plan, buf.upload(torch.device("cpu")))
-    assert proposer._computed["r"] == n and draft.probs is not None
-    hidden, expected = reference_q(tiny_llama_dir, head_dir, request.all_token_ids, n, draft.token_ids[0].tolist())
+    draft_ids, q = proposer.run(plan, buf.upload(torch.device("cpu")))
+    assert proposer._computed["r"] == n and q is not None
+    hidden, expected = reference_q(tiny_llama_dir, head_dir, request.all_token_ids, n, draft_ids[0].tolist())
     rows = [request.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)]
     torch.testing.assert_close(proposer.features[rows], hidden, atol=1e-4, rtol=0)
-    torch.testing.assert_close(draft.probs[0], expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(q[0], expected, atol=1e-5, rtol=1e-4)
 
 
 # -- acceptance: a head that knows the cycle model's answer --
@@ -393,21 +393,22 @@ def test_speculation_info_names_the_head_and_its_training(tiny_llama_dir, tiny_l
 
 
 def test_the_pool_is_sized_with_the_heads_kv_and_features(tiny_llama_dir, tiny_llama_head_dir):
-    from models.builder import num_kv_blocks
     from models.kv_cache import KVCache
+    from worker.builder import num_kv_blocks
 
     runner = eagle_runner(tiny_llama_dir, tiny_llama_head_dir, kv_cache_memory=2e6)
     target = runner.target
     per_block = KVCache.bytes_per_block(target.model.config, BLOCK, torch.float32)
     proposer = runner.proposer
     assert isinstance(proposer, EagleProposer) and proposer.features is not None
-    extra = EagleProposer.bytes_per_block(proposer.head.config, BLOCK, torch.float32)
+    extra = proposer.bytes_per_block(BLOCK)
     # One layer of K and V (2 KV heads x 16 dims here) and one feature row of 64 per position.
     assert extra == BLOCK * 4 * (2 * 2 * 16 + 64)
     memory = 10 * (per_block + extra) + 1
     assert num_kv_blocks(RunnerConfig(kv_cache_memory=memory, block_size=BLOCK), target, extra) == 10
     blocks = runner.config.num_kv_blocks
-    assert proposer.features.shape == (blocks * BLOCK, 64) and proposer.cache.num_blocks == blocks
+    assert proposer.cache is not None and proposer.cache.num_blocks == blocks
+    assert proposer.features.shape == (blocks * BLOCK, 64)
 
 
 def test_held_out_rates_turn_the_cumulative_record_into_conditional_rates():

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 from scheduler.types import Request, SamplingParams
-from speculation.proposers import (
-    NgramIndex,
-    NgramProposer,
-    PredictionIndex,
-    PredictionProposer,
-    find_ngram_continuation,
-)
+from speculation.ngram import NgramIndex, NgramProposer, find_ngram_continuation
+from speculation.prediction import PredictionIndex, PredictionProposer
 
 
 def test_longest_ngram_wins_and_earliest_occurrence_is_copied():
@@ -27,7 +22,7 @@ def test_longest_ngram_wins_and_earliest_occurrence_is_copied():
 def test_ngram_proposer_respects_k_and_min_n():
     request = Request("r", [10, 11, 12, 13, 14, 10, 11], SamplingParams(max_tokens=8))
     (draft,) = NgramProposer(min_n=2, max_n=3).propose([request], [2])
-    assert draft.token_ids == [12, 13] and draft.method == "ngram" and draft.probs is None
+    assert draft.token_ids == [12, 13] and draft.method == "ngram" and draft.token_probs is None
     (none,) = NgramProposer(min_n=3, max_n=3).propose([Request("s", [1, 2, 3, 4], SamplingParams())], [4])
     assert none.token_ids == []
 

@@ -121,7 +121,6 @@ def test_probabilities_are_continuation_frequencies():
     (draft,) = proposer.propose([request("new", [60], [1, 2, 3])], [4])
     assert draft.token_ids == [7, 9]  # then every earlier output ended
     assert draft.token_probs == [0.75, 1.0]
-    assert draft.probs is None  # one-hot q for the rejection sampler
 
 
 def test_draft_stops_at_the_probability_floor_and_the_match_length():
@@ -172,7 +171,7 @@ def test_global_off_keeps_only_the_requests_own_tree():
     r = request("r", [1], [4, 5, 6, 7, 8, 9])
     proposer.propose([r], [4])
     finish(proposer, r)
-    assert proposer.num_cache_nodes == 0
+    assert proposer.cache_nodes == 0
     (draft,) = proposer.propose([request("s", [1], [4, 5, 6])], [4])
     assert draft.token_ids == []
     (own,) = proposer.propose([request("t", [4, 5, 6, 7, 8, 9, 3], [4, 5, 6])], [4])

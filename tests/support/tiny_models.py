@@ -20,7 +20,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from server.serving_chat import CHATML_TEMPLATE
+from models.chat_template import CHATML_TEMPLATE
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

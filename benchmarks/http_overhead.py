@@ -3,8 +3,8 @@ through `specd serve` vs the same request on the engine called directly, in
 the same run, alternating. Goal: HTTP >= 0.95x direct. Both record Prometheus
 metrics, as the server does, so the ratio isolates the HTTP path.
 
-    .venv/bin/python -m tests.server.bench_http_overhead                  # bundled SmolLM2, from the repo root
-    .venv/bin/python -m tests.server.bench_http_overhead --model DIR --max-tokens 300
+    .venv/bin/python -m benchmarks.http_overhead                  # bundled SmolLM2, from the repo root
+    .venv/bin/python -m benchmarks.http_overhead --model DIR --max-tokens 300
 """
 
 from __future__ import annotations

@@ -25,24 +25,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 
-from models.eagle_head import held_out_rates
 from models.forward import forward_step, forward_with_hidden
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, LayoutPlan
 from models.loader import LoadedModel
 from models.sampling import SamplingTensors, plan_penalty_counts
-from models.step_sampling import PreparedStep, sample_step
 from models.transfer import DeviceArrays
 from scheduler.types import Batch, Request, RowOutput, ScheduledRow, StepOutput
-from speculation.device_draft import DeviceDraft, DeviceProposer
 from speculation.host_drafts import HostDrafts
-from speculation.proposers import Drafting, NgramProposer, Proposer
-from speculation.suffix import SuffixProposer
+from speculation.proposer import Drafting, Proposer
+from worker.step_sampling import PreparedStep, sample_step
 
-logger = logging.getLogger("specd.models")
+logger = logging.getLogger("specd.worker")
 
 
 class RowFault(RuntimeError):
@@ -82,18 +78,18 @@ class ModelRunner:
         self,
         target: LoadedModel,
         config: RunnerConfig,
-        proposer: Proposer | DeviceProposer | None = None,
-        lookup: NgramProposer | None = None,
+        proposer: Proposer | None = None,
+        lookup: Proposer | None = None,
     ):
-        """`lookup`: beside a device proposer, prompt lookup for the rows the policy gives it
-        (`ScheduledRow.use_lookup`) and the shadow drafts that teach the policy when to."""
+        """`proposer` drafts for the rows that speculate (allocated for the KV pool: `build_runner`).
+        `lookup`: beside a proposer that drafts on the device, prompt lookup for the rows the policy
+        gives it (`ScheduledRow.use_lookup`) and the shadow drafts that teach the policy when to."""
         self.target = target
         self.config = config
-        self.device_proposer: DeviceProposer | None = None  # the proposer, where it drafts on the device
-        self.host = HostDrafts(None, None)
         self.proposer = proposer
-        self.lookup = lookup if self.device_proposer is not None else None
-        self.host.lookup = self.lookup
+        self.on_device = proposer is not None and proposer.capabilities.on_device
+        self.lookup = lookup if self.on_device else None
+        self.host = HostDrafts(proposer, self.lookup)
         self.device = target.device
         self.vocab_size = target.vocab_size
         target.model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -110,31 +106,18 @@ class ModelRunner:
         )
 
     @property
-    def proposer(self) -> Proposer | DeviceProposer | None:
-        return self.host.proposer
-
-    @proposer.setter
-    def proposer(self, proposer: Proposer | DeviceProposer | None) -> None:  # one proposer for both sides
-        self.host.proposer = proposer
-        on_device = proposer is not None and proposer.capabilities.on_device
-        self.device_proposer = cast(DeviceProposer, proposer) if on_device else None
-        # The proposer that remembers finished outputs (suffix decoding), whose size is a metric.
-        self.suffix = cast(SuffixProposer, proposer) if proposer is not None and proposer.capabilities.memory else None
-
-    @property
     def drafting(self) -> Drafting:
         """The proposer and what the policy may ask of it while it plans a step."""
         proposer = self.proposer
         if proposer is None:
             return Drafting()
-        head = self.device_proposer.info() if self.device_proposer is not None else None
         return Drafting(
             method=proposer.method,
-            prior_rates=held_out_rates(head.get("training")) if head else (),
+            prior_rates=proposer.prior_rates,
             preview=self.preview_drafts if proposer.capabilities.priced else None,
             lookup=self.host.lookup_lengths if self.lookup is not None else None,
             available=self.host.lengths,
-            head=head,
+            info=proposer.info(),
         )
 
     def free(self, request_ids: list[str]) -> None:
@@ -150,49 +133,61 @@ class ModelRunner:
         for row in rows:
             self._maybe_inject_fault(row, "raise")
         clock = _PhaseClock()
-        plan, arrays, device_draft = self._prepare_and_draft(rows)
+        plan, arrays = self._prepare_and_draft(rows)
         clock.lap("draft" if plan.any_draft or plan.probe_rows else None)
-        logits = self._forward(plan, arrays, device_draft)
-        outputs = sample_step(plan, arrays, logits, device_draft, self.device_proposer) if plan.sample_rows else {}
+        logits = self._forward(plan, arrays)
+        outputs = sample_step(plan, arrays, logits) if plan.sample_rows else {}
         clock.lap(_forward_phase(plan))
+        self._verified(plan, outputs)
         self.host.make_next([(plan.rows[i].request, outputs.get(plan.rows[i].request_id)) for i in plan.sample_rows])
         output = self._step_output(plan, outputs, clock.phases)
-        if self.suffix is not None:
-            output.suffix_cache_nodes = self.suffix.num_cache_nodes
+        output.proposer_cache_nodes = self.proposer.cache_nodes if self.proposer is not None else None
         return output
 
     def preview_drafts(self, requests: list[Request], num_tokens: list[int]) -> list[list[float]]:
         """Per-token probabilities of the drafts the proposer would make now, for the policy to
-        price (proposers that give them); the proposer keeps each draft for the step that follows."""
-        if self.suffix is None:
-            return [[] for _ in requests]
+        price (priced proposers); the proposer keeps each draft for the step that follows."""
+        assert self.proposer is not None
         try:
-            drafts = self.suffix.propose(requests, num_tokens)
+            return self.proposer.preview(requests, num_tokens)
         except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
-            logger.exception("suffix proposer failed while the step was planned; these rows plan no draft")
+            logger.exception("%s proposer failed while the step was planned; these rows plan no draft",
+                             self.proposer.method)  # fmt: skip
             return [[] for _ in requests]
-        return [draft.token_probs or [] for draft in drafts]
 
-    def _prepare_and_draft(self, rows: list[ScheduledRow]) -> tuple[PreparedStep, DeviceArrays, DeviceDraft | None]:
+    def _prepare_and_draft(self, rows: list[ScheduledRow]) -> tuple[PreparedStep, DeviceArrays]:
         """Host drafts and the one upload, then a device proposer's drafts (if any).
         A failing draft model or head costs this step its drafts, never a request."""
         plan = self._prepare(rows)
         arrays = plan.buf.upload(self.device)
         if plan.draft is None:
-            return plan, arrays, None
-        proposer = self.device_proposer
+            return plan, arrays
+        proposer = self.proposer
         assert proposer is not None
         try:
-            drafted = proposer.run(plan.draft, arrays)
-            num_verify = len(plan.draft_rows)
-            if plan.probe_rows:
-                plan.probe_ids = drafted.token_ids[num_verify:, 0]
-                plan.probe_q = None if drafted.probs is None else drafted.probs[num_verify:, 0]
-            return plan, arrays, drafted.first(num_verify) if num_verify else None
+            ids, q = proposer.run(plan.draft, arrays)
         except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
             logger.exception("%s proposer failed; these rows decode plainly this step", proposer.method)
             plan = self._prepare(rows, device_drafting=False)
-            return plan, plan.buf.upload(self.device), None
+            return plan, plan.buf.upload(self.device)
+        num_verify = len(plan.draft_rows)
+        if plan.probe_rows:
+            plan.probe_ids = ids[num_verify:, 0]
+            plan.probe_q = None if q is None else q[num_verify:, 0]
+        if num_verify:
+            plan.device_ids = ids[:num_verify]
+            plan.device_q = None if q is None else q[:num_verify]
+        return plan, arrays
+
+    def _verified(self, plan: PreparedStep, outputs: dict[str, RowOutput]) -> None:
+        """Tell a device proposer what the target kept of its drafts."""
+        if self.proposer is None or plan.device_ids is None:
+            return
+        for i in plan.draft_rows:
+            row = plan.rows[i]
+            out = outputs.get(row.request_id)
+            if out is not None and out.error is None:
+                self.proposer.verified(row.request_id, row.start_pos + len(row.token_ids) + out.num_accepted_tokens)
 
     @staticmethod
     def _step_output(plan: PreparedStep, outputs: dict[str, RowOutput], phases: dict[str, float]) -> StepOutput:
@@ -211,7 +206,7 @@ class ModelRunner:
         host_drafts, draft_rows = self.host.for_step(rows, device_drafting)
         num_draft = [len(d.token_ids) if d else 0 for d in host_drafts]
         methods = [d.method if d else None for d in host_drafts]
-        proposer = self.device_proposer if device_drafting else None
+        proposer = self.proposer if self.on_device and device_drafting else None
         for i in draft_rows:
             assert proposer is not None
             num_draft[i] = rows[i].num_spec_tokens
@@ -302,14 +297,14 @@ class ModelRunner:
             buf.ints("nan_rows", nan_rows)
 
     # -- forward --
-    def _forward(self, plan: PreparedStep, arrays: DeviceArrays, device_draft: DeviceDraft | None) -> torch.Tensor:
+    def _forward(self, plan: PreparedStep, arrays: DeviceArrays) -> torch.Tensor:
         input_ids = arrays["input_ids"]
-        if device_draft is not None:
+        if plan.device_ids is not None:
             input_ids = input_ids.clone()
-            input_ids[arrays["fill_pos"]] = device_draft.token_ids.reshape(-1)[arrays["fill_src"]]
+            input_ids[arrays["fill_pos"]] = plan.device_ids.reshape(-1)[arrays["fill_src"]]
         layout = plan.layout.resolve(arrays, "layout")
-        proposer = self.device_proposer
-        if proposer is None or proposer.features is None:
+        proposer = self.proposer
+        if proposer is None or not proposer.uses_features:
             # [len(keep), V] in the model's dtype: `sample_step` converts where it samples.
             return forward_step(self.target.model, self.cache, layout, input_ids, arrays["keep"], float_logits=False)
         # Every token's features, at its KV row: positions < num_computed_tokens then always hold

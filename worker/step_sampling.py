@@ -5,6 +5,8 @@ layout, the one upload). `sample_step` turns the forward's logits into each samp
 row's tokens: plain sampling, greedy verify straight from the packed logits, or the
 lossless rejection sampler over a `[rows, n_max, V]` grid, with the probes' grades, and
 brings everything back in one download (`models.transfer`).
+
+It is where the worker meets the rejection sampler (`speculation.rejection`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,8 @@ from models.sampling import (
     uniform_noise,
 )
 from models.transfer import DeviceArrays, HostBuffer, download
-from scheduler.types import RowOutput, ScheduledRow
-from speculation.device_draft import DeviceDraft, DeviceProposer, DraftPlan
-from speculation.proposers import Draft
+from scheduler.types import Draft, RowOutput, ScheduledRow
+from speculation.device_draft import DraftPlan
 from speculation.rejection import greedy_verify, rejection_sample
 
 
@@ -45,6 +46,10 @@ class PreparedStep:
     draft_rows: list[int]
     layout: LayoutPlan
     sample_rows: list[int]
+    # The device proposer's drafts for `draft_rows`, on the device once it ran: ids [D, k_max]
+    # (padding past a row's k) and q [D, k_max, V] (None: every row greedy).
+    device_ids: torch.Tensor | None = None
+    device_q: torch.Tensor | None = None
     shadows: dict[int, list[int]] = field(default_factory=dict)  # row -> unverified draft
     # Rows the device proposer drafts one unverified token for (`ScheduledRow.probe`): its
     # plan's rows after `draft_rows`; their tokens, on the device once it ran.
@@ -65,16 +70,9 @@ class PreparedStep:
         return any(self.num_draft)
 
 
-def sample_step(
-    plan: PreparedStep,
-    arrays: DeviceArrays,
-    logits: torch.Tensor,
-    device_draft: DeviceDraft | None,
-    proposer: DeviceProposer | None,
-) -> dict[str, RowOutput]:
+def sample_step(plan: PreparedStep, arrays: DeviceArrays, logits: torch.Tensor) -> dict[str, RowOutput]:
     """Each sampling row's tokens from the step's logits: plain sampling, greedy verify or
-    rejection sampling, in one batched pass and one download. `proposer`: the device
-    proposer, told what the target kept of its drafts."""
+    rejection sampling, in one batched pass and one download."""
     rows, n_max, vocab = plan.rows, plan.n_max, logits.shape[-1]
     requests = [rows[i].request for i in plan.sample_rows]
     num_rows, device = len(requests), logits.device
@@ -82,7 +80,7 @@ def sample_step(
     want_logprobs = any(r.params.logprobs is not None for r in requests)
     argmax_only = st.all_greedy and not (st.has_penalties or st.has_logit_bias or want_logprobs)
     if n_max > 1 and argmax_only and "nan_rows" not in arrays:
-        return _verify_greedy_packed(plan, arrays, logits, device_draft, proposer)
+        return _verify_greedy_packed(plan, arrays, logits)
     if not argmax_only:  # probabilities, penalties and logprobs are computed in float32
         logits = logits.float()
     if n_max == 1:
@@ -97,7 +95,7 @@ def sample_step(
     if st.has_penalties:
         output_counts, prompt_mask = resolve_penalty_counts(num_rows, vocab, arrays, "counts")
     num_draft = arrays["num_draft"]
-    draft_ids = _draft_ids(arrays, num_rows, n_max, device_draft) if n_max > 1 else None
+    draft_ids = _draft_ids(plan, arrays, num_rows, n_max) if n_max > 1 else None
     if st.all_greedy:  # p and q are one-hot: compare argmaxes, no probabilities
         target_ids = greedy_ids(grid, st, output_counts, prompt_mask, draft_ids)  # [rows, n_max]
         if n_max == 1:
@@ -117,7 +115,7 @@ def sample_step(
         else:
             u_accept = uniform_noise(st.seeds, positions[:, :-1], STREAM_ACCEPT)
             assert draft_ids is not None
-            q = _draft_probs(arrays, draft_ids, num_draft, device_draft, vocab)
+            q = _draft_probs(plan, arrays, draft_ids, num_draft, vocab)
             num_accepted, token_ids = rejection_sample(draft_ids, num_draft, q, probs, u_accept, u_sample)
     finite = all_finite(grid.flatten(1))
     results = [torch.cat([finite[:, None].long(), num_accepted[:, None], token_ids], dim=1)]
@@ -126,53 +124,48 @@ def sample_step(
         # Log-probabilities of the raw target distribution at every grid position; the host keeps the emitted ones.
         results += compute_logprobs(grid, token_ids, top_n)  # chosen, top ids, top logprobs
     host = download(*results, *_probe_results(plan))
-    return _outputs(plan, host, want_logprobs, proposer)
+    return _outputs(plan, host, want_logprobs)
 
 
-def _verify_greedy_packed(
-    plan: PreparedStep,
-    arrays: DeviceArrays,
-    logits: torch.Tensor,
-    device_draft: DeviceDraft | None,
-    proposer: DeviceProposer | None,
-) -> dict[str, RowOutput]:
+def _verify_greedy_packed(plan: PreparedStep, arrays: DeviceArrays, logits: torch.Tensor) -> dict[str, RowOutput]:
     """Greedy verify straight from the packed logits `[kept, V]`: no `[rows, n_max, V]`
     grid, so one long draft does not make every row's sampling n_max times larger."""
     num_rows, n_max, device = len(plan.sample_rows), plan.n_max, logits.device
     target_ids = torch.zeros(num_rows * n_max, dtype=torch.long, device=device)
     target_ids.index_copy_(0, arrays["grid_index"], argmax(logits))
-    draft_ids = _draft_ids(arrays, num_rows, n_max, device_draft)
+    draft_ids = _draft_ids(plan, arrays, num_rows, n_max)
     num_accepted, token_ids = greedy_verify(draft_ids, arrays["num_draft"], target_ids.view(num_rows, n_max))
     finite = torch.ones(num_rows, dtype=torch.long, device=device)
     finite.scatter_reduce_(0, arrays["grid_row"], all_finite(logits).long(), reduce="amin")
     host = download(torch.cat([finite[:, None], num_accepted[:, None], token_ids], dim=1), *_probe_results(plan))
-    return _outputs(plan, host, False, proposer)
+    return _outputs(plan, host, False)
 
 
-def _draft_ids(arrays: DeviceArrays, num_rows: int, n_max: int, device_draft: DeviceDraft | None) -> torch.Tensor:
+def _draft_ids(plan: PreparedStep, arrays: DeviceArrays, num_rows: int, n_max: int) -> torch.Tensor:
     """[rows, n_max - 1] drafts: the host ones as uploaded, a device proposer's from the device."""
     draft_ids = arrays["draft_grid"].view(num_rows, n_max - 1)
-    if device_draft is not None:
+    if plan.device_ids is not None:
         draft_ids = draft_ids.clone()
-        k = device_draft.token_ids.shape[1]
-        draft_ids[arrays["draft_sample_rows"], :k] = device_draft.token_ids
+        k = plan.device_ids.shape[1]
+        draft_ids[arrays["draft_sample_rows"], :k] = plan.device_ids
     return draft_ids
 
 
-def _draft_probs(arrays, draft_ids, num_draft, device_draft: DeviceDraft | None, vocab: int) -> torch.Tensor | None:
+def _draft_probs(
+    plan: PreparedStep, arrays: DeviceArrays, draft_ids: torch.Tensor, num_draft: torch.Tensor, vocab: int
+) -> torch.Tensor | None:
     """q for the rejection sampler: None when every draft is one-hot (model-free or greedy)."""
-    if device_draft is None or device_draft.probs is None:
+    device_q = plan.device_q
+    if device_q is None:
         return None
     k_all = draft_ids.shape[1]
     valid = torch.arange(k_all, device=draft_ids.device) < num_draft[:, None]  # [rows, k]
-    q = torch.nn.functional.one_hot(draft_ids, vocab).to(device_draft.probs.dtype) * valid[..., None]
-    q[arrays["draft_sample_rows"], : device_draft.probs.shape[1]] = device_draft.probs
+    q = torch.nn.functional.one_hot(draft_ids, vocab).to(device_q.dtype) * valid[..., None]
+    q[arrays["draft_sample_rows"], : device_q.shape[1]] = device_q
     return q
 
 
-def _outputs(
-    plan: PreparedStep, host: list[list], want_logprobs: bool, proposer: DeviceProposer | None
-) -> dict[str, RowOutput]:
+def _outputs(plan: PreparedStep, host: list[list], want_logprobs: bool) -> dict[str, RowOutput]:
     outputs: dict[str, RowOutput] = {}
     main = host[0]
     if want_logprobs:
@@ -198,8 +191,6 @@ def _outputs(
             out.method = plan.methods[i]
             out.num_draft_tokens = plan.num_draft[i]
             out.num_accepted_tokens = n_acc
-            if proposer is not None and out.method == proposer.method:
-                proposer.verified(row.request_id, row.start_pos + len(row.token_ids) + n_acc)
         want = row.request.params.logprobs
         if want is not None:
             n = n_acc + 1

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.builder import ProposerConfig, build_runner
 from models.kv_cache import KVCache
 from models.loader import ModelConfig, load_model
-from models.runner import ModelRunner, RunnerConfig
 from models.transfer import TransferCounter
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
-from speculation.config import SpecConfig
+from speculation.config import ProposerConfig, SpecConfig
 from tests.support.tensors import packed_forward, read_kv, slot_table
+from worker.builder import build_runner
+from worker.runner import ModelRunner, RunnerConfig
 
 PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G", "for i in range(10):\n"]
 
@@ -57,7 +57,7 @@ def step(runner: ModelRunner, requests: list[Request], k: list[int]) -> list:
         assert row_out.error is None
         row.request.num_computed_tokens = row.start_pos + len(row.token_ids) + row_out.num_accepted_tokens
         row.request.output_ids += row_out.token_ids
-        row.request.host_draft = row_out.next_host_draft
+        row.request.draft = row_out.next_draft
     return out.rows
 
 
@@ -207,7 +207,7 @@ def _callers() -> list[str]:
 
 
 def test_the_kv_pool_is_sized_by_blocks_memory_or_sequences(tiny_llama_dir):
-    from models.builder import free_memory, num_kv_blocks
+    from worker.builder import free_memory, num_kv_blocks
 
     target = load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu"))
     per_block = KVCache.bytes_per_block(target.model.config, BLOCK, torch.float32)
@@ -235,7 +235,7 @@ def test_the_policy_is_told_each_rows_host_draft_before_the_step(tiny_llama_dir)
     # Tokens never change once made; this test rewrites them, so drop what was drafted from the old ones.
     runner.free(["copy", "fresh", "pred"])
     for request in (copying, fresh, predicted):
-        request.host_draft = None
+        request.draft = None
     requests = [copying, fresh, predicted]
     assert runner.drafting.available(requests, [4, 4, 4]) == [4, 0, 2]
     assert runner.drafting.available(requests, [2, 4, 1]) == [2, 0, 1]
@@ -246,18 +246,20 @@ def test_the_policy_is_told_each_rows_host_draft_before_the_step(tiny_llama_dir)
 def test_the_step_makes_the_next_host_draft_and_the_policy_only_reads_it(tiny_llama_dir, monkeypatch):
     """Host drafts are made once a step, at the end of the step before (the step thread), and
     carried on the request: the policy's lengths and the next step's drafts propose nothing."""
-    from speculation.proposers import NgramProposer
+    from speculation.ngram import NgramProposer
 
     runner = make_runner(tiny_llama_dir)
     copying = running("copy", [7, 8, 9, 10, 11, 12, 13, 7, 8, 9, 10, 11, 12, 13, 7, 8], 0)
     (out,) = step(runner, [copying], [0])
-    assert out.next_host_draft is not None
-    assert out.next_host_draft.num_tokens == len(copying.prompt_ids) + len(copying.output_ids)
+    assert out.next_draft is not None
+    assert out.next_draft.num_tokens == len(copying.prompt_ids) + len(copying.output_ids)
     calls = []
     real = NgramProposer.propose
-    monkeypatch.setattr(NgramProposer, "propose", lambda self, r, k: calls.append(len(r)) or real(self, r, k))
+    monkeypatch.setattr(
+        NgramProposer, "propose", lambda self, r, k, pending=None: calls.append(len(r)) or real(self, r, k, pending)
+    )
     (length,) = runner.drafting.available([copying], [4])
-    assert length == len(out.next_host_draft.token_ids[:4])
+    assert length == len(out.next_draft.token_ids[:4])
     (verified,) = step(runner, [copying], [4])
     assert verified.num_draft_tokens == length
     assert calls == [1]  # once: the draft for the step after this one, made at its end
@@ -271,7 +273,7 @@ def test_rows_only_a_forward_can_draft_for_keep_what_they_asked(tiny_llama_dir, 
 
 
 def test_a_row_is_finite_exactly_when_none_of_its_logits_is_nan_or_infinite():
-    from models.step_sampling import all_finite
+    from worker.step_sampling import all_finite
 
     logits = torch.randn(5, 1000) * 50
     logits[1, 7] = float("nan")

@@ -9,10 +9,11 @@ engine's per-request tables are recorded; at the end (idle) they must not have
 grown (RSS < 5%), KV use must be 0, and p99 latency of the last quarter is set
 against the first.
 
-    python -m tests.reliability.soak                   # 2,000 requests (make soak), from the repo root
-    python -m tests.reliability.soak --requests 200    # the CI size
+    python -m benchmarks.soak                   # 2,000 requests (make soak), from the repo root
+    python -m benchmarks.soak --requests 200    # the CI size
 
-`test_soak.py` runs the short version inside the suite.
+`tests/reliability/test_soak.py` runs the short version inside the suite; this
+module keeps using the reliability suite's harness (`tests.reliability.rel_harness`).
 """
 
 from __future__ import annotations
