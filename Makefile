@@ -13,7 +13,7 @@ ROUTER_VENV ?= .router-venv
 ROUTER_SPEC ?= vllm-router==0.1.17
 ROUTER_STAMP := $(ROUTER_VENV)/.installed
 
-.PHONY: install router serve test test-fast test-compat lint bench bench-engine bench-serve soak clean
+.PHONY: install router serve test test-fast test-realpair test-compat lint bench bench-engine bench-serve soak clean
 
 install: $(STAMP)
 
@@ -38,8 +38,14 @@ serve: install
 # Everything CI runs: the timing-sensitive tests (`slow`: latency ratios, deadlines) in their own
 # step, after the rest, so a loaded machine's noise never hides among functional failures.
 test: install router
-	$(BIN)/python -m pytest -q -m "not slow"
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m "not slow and not realpair"
+	$(BIN)/python -m pytest -q -m "slow and not realpair"
+
+# The real pair (Qwen2.5-Coder 1.5B + 0.5B) end to end; pulls both first (~1.6 GB).
+test-realpair: install
+	$(BIN)/specd models pull qwen2.5-coder-1.5b-instruct
+	$(BIN)/specd models pull qwen2.5-coder-0.5b-instruct
+	$(BIN)/python -m pytest -q -m realpair
 
 # The model and scheduler packages alone (tiny models, no servers): the quick loop.
 test-fast: install

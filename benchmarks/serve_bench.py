@@ -6,6 +6,8 @@
     python -m benchmarks.serve_bench --base-url http://127.0.0.1:8000          # a specd already running
     python -m benchmarks.serve_bench --modes off --peer transformers           # plain decoding vs a peer server
     python -m benchmarks.serve_bench --draft suffix --passes 2 --prompt-sets agent   # a cold then a warm pass
+    python -m benchmarks.serve_bench --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \
+        --prompt-sets humaneval   # the real pair (`specd models pull` both) on HumanEval; or mtbench
 
 One specd process serves every mode: each request picks its mode with the
 `speculation` field (off: false, on: true, auto: field left out, so the
@@ -308,7 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prompt-sets",
         type=lambda s: s.split(","),
         default=list(PROMPT_SETS),
-        help=f"names under benchmarks/prompt_sets/ or .jsonl paths [{','.join(PROMPT_SETS)}]",
+        help="names under benchmarks/prompt_sets/, public sets read from their PyPI packages (mtbench: MT-Bench's "
+        f"first turns, humaneval), or .jsonl paths [{','.join(PROMPT_SETS)}]",
     )
     g.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help="speculation modes [off,on,auto]")
     g.add_argument(

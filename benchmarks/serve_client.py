@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import public_sets
 from benchmarks.peers import Peer
 
 PROMPT_SET_DIR = Path(__file__).resolve().parent / "prompt_sets"
@@ -29,9 +30,13 @@ class Prompt:
 
 
 def load_prompts(names: list[str]) -> list[Prompt]:
-    """Prompts of each set (a name under prompt_sets/ or a .jsonl path), interleaved set by set."""
+    """Prompts of each set (a name under prompt_sets/, a public set of `benchmarks.public_sets`,
+    or a .jsonl path), interleaved set by set."""
     sets = []
     for name in names:
+        if name in public_sets.PUBLIC_SETS:
+            sets.append([Prompt(i, text) for i, text in public_sets.load(name)])
+            continue
         path = Path(name) if name.endswith(".jsonl") else PROMPT_SET_DIR / f"{name}.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         sets.append([Prompt(str(row["id"]), row["prompt"]) for row in rows])

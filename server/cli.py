@@ -28,6 +28,7 @@ from pydantic_core import PydanticUndefined
 from scheduler.types import SpeculationMode
 from server import IMPORTED_AT
 from server.config import CONFIG_ENV, ENV_PREFIX, ChoicesFrom, Settings, is_hidden, load_settings
+from server.models_cli import add_models_parser, models_command
 
 SPECULATION_CHOICES: dict[str, SpeculationMode] = {"auto": "auto", "true": True, "false": False}
 
@@ -100,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specd", description="OpenAI-compatible LLM server with batched, lossless speculative decoding."
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,train-draft}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,models,train-draft}")
     config_help = f"YAML file of settings, keys named as the flags ('-' or '_') [env {CONFIG_ENV}]"
 
     serve = commands.add_parser(
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     generate.add_argument("--config", default=None, help=config_help)
     add_settings_flags(generate, GENERATE_SETTINGS)
+    add_models_parser(commands)
     add_train_draft_parser(commands, config_help)
     return parser
 
@@ -421,7 +423,7 @@ def train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"serve": serve, "generate": generate, "train-draft": train_draft}
+COMMANDS = {"serve": serve, "generate": generate, "models": models_command, "train-draft": train_draft}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,8 +122,8 @@ class Settings(BaseSettings):
     # -- model --
     model: str | None = Field(
         None,
-        description="Hub id, local directory or .gguf file of the target model "
-        "(default: bundled SmolLM2-135M-Instruct).",
+        description="The target model: a catalogue name (`specd models list`; pulled with `specd models pull`), "
+        "a Hub id, a local directory or a .gguf file (default: bundled SmolLM2-135M-Instruct).",
     )
     served_model_name: CommaList = Field(
         default_factory=list,
@@ -163,7 +163,8 @@ class Settings(BaseSettings):
         "(default: the proposer --draft-model or --draft-head implies, else ngram).",
     )
     draft_model: str | None = Field(
-        None, description="Hub id or directory of a draft model sharing the target's tokenizer."
+        None,
+        description="A draft model sharing the target's tokenizer: a catalogue name, Hub id, directory or .gguf file.",
     )
     draft_head: Path | None = Field(
         None,

