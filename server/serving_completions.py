@@ -98,6 +98,17 @@ def given_prompts(req: CompletionRequest) -> list:
     return [req.prompt] if isinstance(req.prompt, str) or not req.prompt else req.prompt
 
 
+def check_prompt_count(prompts: list, n: int = 1) -> None:
+    """400 for more than `MAX_CHOICES` sequences (prompts x n), judged before any per-prompt work:
+    generation and render alike (a body of a million empty prompts must cost nothing)."""
+    if not isinstance(prompts[0], int) and len(prompts) * n > MAX_CHOICES:
+        raise BadRequestError(
+            f"at most {MAX_CHOICES} sequences (prompts x n) per request, got {len(prompts)} prompts"
+            + (f" x n={n}" if n > 1 else ""),
+            param="n" if n > 1 and len(prompts) <= MAX_CHOICES else "prompt",
+        )
+
+
 def check_prompt_sizes(ctx: ServingContext, prompts: list) -> None:
     """400 for a text prompt that cannot fit the context, judged before it is tokenized."""
     for item in prompts:
@@ -108,7 +119,9 @@ def check_prompt_sizes(ctx: ServingContext, prompts: list) -> None:
 async def render_completion(ctx: ServingContext, req: CompletionRequest) -> list[dict]:
     """POST /v1/completions/render: each prompt's token ids, nothing generated (vLLM's shape)."""
     ctx.check_model(req.model)
-    check_prompt_sizes(ctx, given_prompts(req))
+    prompts = given_prompts(req)
+    check_prompt_count(prompts)
+    check_prompt_sizes(ctx, prompts)
     prompt_ids, _ = await ctx.off_loop(tokenize_prompts, ctx, req)
     return [{"token_ids": ids} for ids in prompt_ids]
 
@@ -118,8 +131,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: HT
     check_stream_options(req)
     check_unsupported(req)
     prompts_given = given_prompts(req)
-    if not isinstance(prompts_given[0], int) and len(prompts_given) * req.n > MAX_CHOICES:
-        raise BadRequestError(f"at most {MAX_CHOICES} sequences (prompts x n) per request", param="n")
+    check_prompt_count(prompts_given, req.n)
     check_prompt_sizes(ctx, prompts_given)
     prompt_ids, prompt_texts = await ctx.off_loop(tokenize_prompts, ctx, req)
     if len(prompt_ids) * req.n > MAX_CHOICES:

@@ -336,3 +336,6 @@ def test_render_gives_the_prompt_token_ids_a_generation_would_use(client, tiny_s
     assert ids == [{"token_ids": [5, 6, 7]}]
     bad = httpx.post(tiny_server.base_url + "/completions/render", json={"model": "nope", "prompt": "x"})
     assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+    # As many prompts as generation takes, refused before any is tokenized (a shared thread's work).
+    many = httpx.post(tiny_server.base_url + "/completions/render", json={"model": model, "prompt": [""] * 1000})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "prompt"
