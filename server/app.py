@@ -90,7 +90,7 @@ def build_components(settings: Settings) -> Components:
             enable_fault_injection=settings.enable_fault_injection,
         ),
         ProposerConfig(
-            method=settings.draft,
+            method=settings.resolved_draft,
             draft_model=settings.draft_model,
             draft_head=str(head) if (head := settings.resolved_draft_head) else None,
             suffix_cache_requests=settings.suffix_cache_requests if settings.suffix_global == "on" else 0,

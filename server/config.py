@@ -317,14 +317,12 @@ class Settings(BaseSettings):
     @property
     def resolved_draft(self) -> str:
         """The proposer: --draft, else what --draft-model or --draft-head imply, else ngram."""
-        given = {name for name in ("draft_model", "draft_head") if getattr(self, name)}
-        return self.draft or registry.default_method(given)
+        return self.draft or registry.default_method(lambda option: getattr(self, option))
 
     @property
     def resolved_proposer_needs(self) -> str | None:
         """The option the proposer cannot run without (`registry.ProposerSpec.needs`)."""
-        draft = self.resolved_draft
-        return None if draft == registry.NONE else registry.get(draft).needs
+        return registry.needs(self.resolved_draft)
 
     @property
     def resolved_draft_head(self) -> Path | None:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shlex
 import sys
 from pathlib import Path
 
-from models.catalogue import CATALOGUE, PullError, pull, status
-from server.config import ENV_PREFIX
+from models.catalogue import CATALOGUE, PullError, cache_dir_from_env, pull, status
 
 
 def add_models_parser(commands) -> None:
@@ -37,8 +35,7 @@ def add_models_parser(commands) -> None:
 
 
 def models_command(args: argparse.Namespace) -> int:
-    given = args.cache_dir or os.environ.get(f"{ENV_PREFIX}CACHE_DIR")
-    cache_dir = Path(given).expanduser() if given else _default_cache_dir()
+    cache_dir = args.cache_dir.expanduser() if args.cache_dir else cache_dir_from_env()
     if args.action == "list":
         print(f"{'name':<30} {'size':>8}  {'status':<10}  description")
         for model in CATALOGUE.values():
@@ -64,9 +61,3 @@ def _converter(cache_dir: Path):
         local_model_dir(ModelConfig(model=str(path), cache_dir=cache_dir))
 
     return convert
-
-
-def _default_cache_dir() -> Path:
-    from models.loader import default_cache_dir
-
-    return default_cache_dir()

@@ -3,7 +3,7 @@ operator's caps and the policy's knobs (`SpecConfig`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scheduler.types import MAX_SPEC_TOKENS
@@ -28,10 +28,10 @@ class ProposerConfig:
 
     def __post_init__(self) -> None:
         if self.method is None:
-            self.method = registry.default_method({f.name for f in fields(self) if getattr(self, f.name)})
+            self.method = registry.default_method(lambda option: getattr(self, option))
         if self.method not in registry.choices():
             raise ValueError(f"--draft must be one of {', '.join(registry.choices())}, got {self.method!r}")
-        needs = registry.get(self.method).needs if self.method != registry.NONE else None
+        needs = registry.needs(self.method)
         if needs is not None and not getattr(self, needs):
             raise ValueError(f"--draft {self.method} needs --{needs.replace('_', '-')}")
         if not 1 <= self.ngram_min <= self.ngram_max:

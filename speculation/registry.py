@@ -11,6 +11,7 @@ server's settings) loads no model code.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -126,9 +127,15 @@ def probing_methods() -> list[str]:
     return [name for name, spec in REGISTRY.items() if not spec.capabilities.can_shadow]
 
 
-def default_method(given: set[str]) -> str:
-    """The proposer that the given options imply (the first whose `needs` is among them), else n-gram."""
-    return next((spec.name for spec in REGISTRY.values() if spec.needs in given), NGRAM.name)
+def default_method(option: Callable[[str], object]) -> str:
+    """The proposer the options imply: the first whose `needs` option is set (`option(name)` is its
+    value), else n-gram."""
+    return next((spec.name for spec in REGISTRY.values() if spec.needs and option(spec.needs)), NGRAM.name)
+
+
+def needs(name: str) -> str | None:
+    """The option a proposer cannot run without (None for "none" and for proposers that need none)."""
+    return None if name == NONE else get(name).needs
 
 
 def default_k(name: str) -> int:

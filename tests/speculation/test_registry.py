@@ -58,7 +58,8 @@ def test_every_registered_proposer_names_its_class():
     # Only proposers whose drafts cost nothing to make can grade a plain row with a shadow.
     assert registry.probing_methods() == ["draft_model", "eagle"]
     assert registry.choices() == ["ngram", "suffix", "draft_model", "eagle", "none"]  # prediction is per request
-    assert registry.default_method({"draft_head"}) == "eagle" and registry.default_method(set()) == "ngram"
+    given = {"draft_head": "dir"}
+    assert registry.default_method(given.get) == "eagle" and registry.default_method({}.get) == "ngram"
 
 
 def test_config_cli_and_metrics_take_a_registered_proposer(repeat):
