@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.common import table
 from models.forward import cache_kwargs
-from models.linear_kernels import UNTUNED, ModelKernels, install_model
+from models.linear_kernels import STANDARD_ONLY, ModelKernels, install_model
 from models.loader import LoadedModel
 from models.transfer import TransferCounter
 from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
@@ -238,11 +238,11 @@ def kernel_section(target: LoadedModel, dtype: str, repeats: int = 7) -> tuple[s
     rows, records = [], []
     for name, case in cases:
         batch = Batch(rows=case)
-        for kernels in (UNTUNED, tuned):  # warm-up (allocations, kernel selection)
+        for kernels in (STANDARD_ONLY, tuned):  # warm-up (allocations, kernel selection)
             seconds_with(target, runner, kernels, batch)
         standard, chosen = [], []
         for _ in range(repeats):  # alternating, so drift on the machine hits both alike
-            standard.append(seconds_with(target, runner, UNTUNED, batch))
+            standard.append(seconds_with(target, runner, STANDARD_ONLY, batch))
             chosen.append(seconds_with(target, runner, tuned, batch))
         num_tokens = sum(len(r.token_ids) + r.num_spec_tokens for r in case)
         a, b = statistics.median(standard), statistics.median(chosen)

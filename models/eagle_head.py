@@ -37,7 +37,17 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from models.forward import cache_kwargs
 from models.kv_cache import text_config
-from models.linear_kernels import PACKED, UNTUNED, ModelKernels, install, linear, linear_layers, pack
+from models.linear_kernels import (
+    PACKED,
+    QUANTIZED,
+    STANDARD_LAYOUT,
+    UNTUNED,
+    ModelKernels,
+    install,
+    linear,
+    linear_layers,
+    pack,
+)
 
 HEAD_FORMAT = 1
 CONFIG_FILE = "eagle_head.json"
@@ -237,6 +247,8 @@ class EagleHead(nn.Module):
         """[N, H] -> [N, draft_vocab_size] logits over the draft vocabulary (float32)."""
         g = g.to(self.lm_head.dtype)
         layout = self.kernels.output.layout(g.shape[0])
+        if layout == QUANTIZED:  # the target's quantized copy is not the head's: its rows run dense
+            layout = STANDARD_LAYOUT
         if layout == PACKED and self._packed_lm_head is None:
             self._packed_lm_head = pack(self.lm_head)
         return linear(g, self.lm_head, None, layout, self._packed_lm_head).float()

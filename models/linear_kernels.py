@@ -27,11 +27,15 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.quantized import QuantizedWeight
 
 logger = logging.getLogger("specd.models")
 
@@ -49,6 +53,12 @@ SAMPLE_BYTES = 64 << 20
 # was most of the tuning time, costs a quarter.
 LADDER_FROM, LADDER_SAMPLE_BYTES = 33, SAMPLE_BYTES // 4
 REPEATS = 3
+# The weight-only kernel (a layer's quantized copy) is timed up to this many rows: its cost grows
+# with the rows (it widens the weight per block of rows), and by 8 it lost to a dense product on
+# every CPU measured. Those rungs are timed cold: a decode step streams every weight from memory,
+# and a sample warm in a large last-level cache (300 MiB on a Xeon measured) flattered the dense
+# layouts, which read 2-4x the bytes.
+QUANTIZED_ROWS = 8
 # The transposed layout must beat the standard one by this much: a tie is not worth a change.
 MIN_GAIN = 0.05
 
@@ -56,8 +66,15 @@ MIN_GAIN = 0.05
 # x @ W^T; (W @ x^T)^T; one row computed as two, transposed; oneDNN on a weight reordered once
 # for its kernels (`pack`). On an AMX CPU in bf16 the packed product of SmolLM2's MLP weights ran
 # 1-64 rows in 0.5-0.7 of F.linear's time; on float32 it is often no faster: the timing decides.
-STANDARD_LAYOUT, TRANSPOSED, PADDED, PACKED = 0, 1, 2, 3
-LAYOUT_NAMES = {STANDARD_LAYOUT: "x @ W^T", TRANSPOSED: "(W @ x^T)^T", PADDED: "(W @ [x; x]^T)^T", PACKED: "packed"}
+# QUANTIZED: the layer's weight-only int8/int4 copy (`models.quantized`), for layers that have one.
+STANDARD_LAYOUT, TRANSPOSED, PADDED, PACKED, QUANTIZED = 0, 1, 2, 3, 4
+LAYOUT_NAMES = {
+    STANDARD_LAYOUT: "x @ W^T",
+    TRANSPOSED: "(W @ x^T)^T",
+    PADDED: "(W @ [x; x]^T)^T",
+    PACKED: "packed",
+    QUANTIZED: "weight-only",
+}
 
 
 @dataclass(frozen=True)
@@ -106,44 +123,76 @@ class KernelTable:
 
 
 STANDARD = KernelTable()
+DENSE = "dense"
+# Where nothing was timed (`--no-tune-kernels`), a quantized copy runs steps of up to 4 rows: on
+# the CPUs measured, torch's weight-only kernels beat a dense product at 1-3 rows and tied at 4.
+UNTUNED_QUANTIZED = KernelTable(
+    tuple(QUANTIZED if m <= 4 else STANDARD_LAYOUT for m in RUNGS), tuple(1.0 for _ in RUNGS)
+)
 
 
 @dataclass(frozen=True)
 class ModelKernels:
-    """A model's two tables: its decoder layers' and its output projection's."""
+    """A model's tables: its dense decoder layers', its output projection's, and one per format
+    for the decoder layers that have a quantized copy."""
 
     layers: KernelTable = STANDARD
     output: KernelTable = STANDARD
+    quantized: tuple[tuple[str, KernelTable], ...] = ()
+    untimed_quantized: KernelTable = UNTUNED_QUANTIZED  # a format nothing timed
 
     @property
     def is_tuned(self) -> bool:
-        return bool(self.layers.layouts or self.output.layouts)
+        return bool(self.layers.layouts or self.output.layouts or self.quantized)
+
+    def table_for(self, product: Any) -> KernelTable:
+        """The table a decoder product follows: its format's, or the dense layers'."""
+        weight = getattr(product, "quantized_weight", None)
+        if weight is None:
+            return self.layers
+        return next((table for fmt, table in self.quantized if fmt == weight.fmt), self.untimed_quantized)
 
     def describe(self) -> str:
-        return f"layers: {self.layers.describe()}; output projection: {self.output.describe()}"
+        text = f"layers: {self.layers.describe()}; output projection: {self.output.describe()}"
+        return text + "".join(f"; {fmt} layers: {table.describe()}" for fmt, table in self.quantized)
 
 
 UNTUNED = ModelKernels()
+# x @ W^T for every product, quantized ones too (a benchmark's baseline).
+STANDARD_ONLY = ModelKernels(untimed_quantized=STANDARD)
 
 
 class TunedLinear(nn.Linear):
     """An `nn.Linear` whose product layout follows a `KernelTable` (same weights, same state dict;
-    a table that packs keeps the packed copy beside the weight, `packed_weight`)."""
+    a table that packs keeps the packed copy beside the weight, `packed_weight`; a quantized layer
+    keeps its weight-only copy, `quantized_weight`, whose values the dense weight holds)."""
 
     kernel_table: KernelTable = STANDARD
     packed_weight: torch.Tensor | None = None
+    quantized_weight: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layout = self.kernel_table.layout(x.numel() // self.in_features)
-        return linear(x, self.weight, self.bias, layout, self.packed_weight)
+        return linear(x, self.weight, self.bias, layout, self.packed_weight, self.quantized_weight)
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: int, packed: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    layout: int,
+    packed: torch.Tensor | None = None,
+    quantized: QuantizedWeight | None = None,
 ) -> torch.Tensor:
-    """x @ W^T + b in `layout` (PACKED needs `packed`, `pack(weight)`)."""
+    """x @ W^T + b in `layout` (PACKED needs `packed`, `pack(weight)`; QUANTIZED needs `quantized`)."""
     if layout == STANDARD_LAYOUT:
         return F.linear(x, weight, bias)
+    if layout == QUANTIZED:
+        assert quantized is not None, "the weight-only layout needs the quantized copy"
+        out = quantized.matmul(x.reshape(-1, x.shape[-1]).contiguous())  # its kernels read rows densely
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], weight.shape[0])
     if layout == PACKED:
         assert packed is not None, "the packed layout needs the packed weight"
         rows = x.reshape(-1, x.shape[-1])
@@ -196,36 +245,41 @@ def wall_seconds(fn: Callable[[], object], layout: int, num_tokens: int) -> floa
     return time.perf_counter() - started
 
 
-# A weight timed in a pass, and its bias.
-Weight = tuple[torch.Tensor, torch.Tensor | None]
+# A weight timed in a pass, its bias, and its quantized copy (if it has one).
+Weight = tuple[torch.Tensor, torch.Tensor | None, QuantizedWeight | None]
 
 
 @torch.inference_mode()
-def tune(layers: Iterable[Any], timer: Timer = wall_seconds) -> KernelTable:
-    """Time both layouts over a sample of `layers`' weights at every rung; the median of
-    `REPEATS` interleaved passes decides."""
+def tune(layers: Iterable[Any], timer: Timer = wall_seconds, dense_only: bool = False) -> KernelTable:
+    """Time the layouts over a sample of `layers`' weights at every rung; the median of
+    `REPEATS` interleaved passes decides. Layers with a quantized copy (all or none of them)
+    also time the weight-only kernel, unless `dense_only`."""
     started = time.perf_counter()
-    sample = _sample(((layer.weight, layer.bias) for layer in layers), SAMPLE_BYTES)
+    weights = [(layer.weight, layer.bias, None if dense_only else getattr(layer, "quantized_weight", None))
+               for layer in layers]  # fmt: skip
+    sample = _sample(weights, SAMPLE_BYTES)
     ladder_sample = _sample(sample, LADDER_SAMPLE_BYTES)
     if not sample:
         return STANDARD
     weight = sample[0][0]
-    inputs = {
-        n: torch.randn(RUNGS[-1], n, dtype=weight.dtype, device=weight.device) for n in {w.shape[1] for w, _ in sample}
-    }
+    widths = {w.shape[1] for w, _, _ in sample}
+    inputs = {n: torch.randn(RUNGS[-1], n, dtype=weight.dtype, device=weight.device) for n in widths}
     packing = can_pack(weight)
-    packed = {id(timed): [pack(w) if packing else None for w, _ in timed] for timed in (sample, ladder_sample)}
+    quantized = all(q is not None for _, _, q in sample)
+    packed = {id(timed): [pack(w) if packing else None for w, _, _ in timed] for timed in (sample, ladder_sample)}
     layouts, ratios = [], []
     for m in RUNGS:
         rows = {n: x[:m] for n, x in inputs.items()}
         timed = sample if m < LADDER_FROM else ladder_sample
         candidates: tuple[int, ...] = (TRANSPOSED, PADDED) if m == 1 else (TRANSPOSED,)
         candidates += (PACKED,) if packing else ()
+        cold = quantized and m <= QUANTIZED_ROWS
+        candidates += (QUANTIZED,) if cold else ()
 
         def run(layout: int, rows=rows, timed=timed) -> Callable[[], None]:
             def passes() -> None:
-                for (w, b), p in zip(timed, packed[id(timed)]):
-                    linear(rows[w.shape[1]], w, b, layout, p)
+                for (w, b, q), p in zip(timed, packed[id(timed)]):
+                    linear(rows[w.shape[1]], w, b, layout, p, q)
 
             return passes
 
@@ -235,6 +289,8 @@ def tune(layers: Iterable[Any], timer: Timer = wall_seconds) -> KernelTable:
         times: dict[int, list[float]] = {layout: [] for layout in runs}
         for _ in range(REPEATS):  # interleaved, so a slow moment hurts every layout alike
             for layout, fn in runs.items():
+                if cold:
+                    evict_caches()
                 times[layout].append(timer(fn, layout, m))
         median = {layout: statistics.median(t) for layout, t in times.items()}
         best = min(candidates, key=median.__getitem__)
@@ -245,15 +301,37 @@ def tune(layers: Iterable[Any], timer: Timer = wall_seconds) -> KernelTable:
     return KernelTable(tuple(layouts), tuple(ratios), time.perf_counter() - started)
 
 
+@lru_cache(maxsize=1)
+def _eviction_buffer() -> torch.Tensor:
+    """Twice the last-level cache (sysfs; 64 MiB where unknown), capped at 1 GiB."""
+    size = 32 << 20
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+            size = max(size, int(text[:-1]) << {"K": 10, "M": 20, "G": 30}[text[-1]])
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return torch.ones(min(2 * size, 1 << 30) // 4, dtype=torch.float32)
+
+
+def evict_caches() -> None:
+    """Read a buffer larger than the last-level cache, so the next pass reads its weights from memory."""
+    _eviction_buffer().sum()
+
+
 def _sample(weights: Iterable[Weight], budget: int) -> list[Weight]:
     """The first `budget` bytes of `weights`: whole weights, and the first rows of the one that
-    crosses the budget (a row slice is still a weight of that shape's kind; a view, not a copy)."""
+    crosses the budget (a row slice is still a weight of that shape's kind; a view, not a copy).
+    A quantized copy is cut to the same rows, or the few more its kernel's layout blocks by."""
     sample: list[Weight] = []
-    for w, b in weights:
+    for w, b, q in weights:
         if budget <= 0:
             break
         rows = max(1, min(w.shape[0], budget // max(w.shape[1] * w.element_size(), 1)))
-        sample.append((w[:rows], None if b is None else b[:rows]))
+        if q is not None and rows < w.shape[0]:
+            q = q.head(rows)
+            rows = q.out_features
+        sample.append((w[:rows], None if b is None else b[:rows], q))
         budget -= rows * w.shape[1] * w.element_size()
     return sample
 
@@ -265,25 +343,43 @@ _TABLES: dict[tuple, KernelTable] = {}
 
 def tune_model(model: nn.Module, gemms: Sequence[Any] | None = None) -> ModelKernels:
     """Tune `model`'s decoder layers and its output projection (CPU only), each on its own
-    weights, and make them follow their tables; returns both. `gemms`: the decoder's products
+    weights, and make them follow their tables; returns them. `gemms`: the decoder's products
     as they really run, when not its linear layers one by one (a forward that fuses q, k and v
-    multiplies by their concatenation, and that shape is what is timed)."""
+    multiplies by their concatenation, and that shape is what is timed). Products with a
+    quantized copy get a table per format, where the weight-only kernel is one of the layouts."""
     output, layers = _split(model)
     if not layers or layers[0].weight.device.type != "cpu":
         return UNTUNED
-    layers_table = _table(list(gemms) if gemms else layers, "decoder layers")
+    groups: dict[str, list[Any]] = {}
+    for product in gemms or layers:
+        groups.setdefault(quantized_format(product), []).append(product)
+    dense = groups.pop(DENSE, [])
+    # Every product quantized: the dense table is still timed on their dense weights, for the
+    # steps too large for the weight-only kernel's table to matter and for a draft head's layers.
+    products = dense or [p for group in groups.values() for p in group]
+    layers_table = _table(products, "decoder layers", dense_only=True)
+    quantized = tuple((fmt, _table(group, f"{fmt} decoder layers")) for fmt, group in sorted(groups.items()))
     output_table = _table([output], "output projection") if output is not None else STANDARD
-    kernels = ModelKernels(layers_table, output_table)
+    kernels = ModelKernels(layers_table, output_table, quantized)
     install_model(model, kernels)
+    _eviction_buffer.cache_clear()  # up to 1 GiB, needed only while timing
     return kernels
 
 
+def quantized_format(product: Any) -> str:
+    """The format of `product`'s quantized copy, or DENSE."""
+    weight = getattr(product, "quantized_weight", None)
+    return weight.fmt if weight is not None else DENSE
+
+
 def install_model(model: nn.Module, kernels: ModelKernels) -> None:
-    """Make `model`'s decoder layers follow `kernels.layers` and its output projection `kernels.output`."""
+    """Make `model`'s decoder layers and its output projection follow their tables in `kernels`."""
     output, layers = _split(model)
-    install(layers, kernels.layers)
+    for layer in layers:
+        install([layer], kernels.table_for(layer))
     if output is not None:
-        install([output], kernels.output)
+        untimed_copy = not kernels.output.layouts and getattr(output, "quantized_weight", None) is not None
+        install([output], kernels.untimed_quantized if untimed_copy else kernels.output)
 
 
 def _split(model: nn.Module) -> tuple[nn.Linear | None, list[nn.Linear]]:
@@ -294,14 +390,17 @@ def _split(model: nn.Module) -> tuple[nn.Linear | None, list[nn.Linear]]:
     return output, [m for m in linear_layers(model) if m is not output]
 
 
-def _table(layers: list[Any], role: str) -> KernelTable:
-    """The process's table for these layers' shapes, tuned (and logged) the first time only."""
+def _table(layers: list[Any], role: str, dense_only: bool = False) -> KernelTable:
+    """The process's table for these layers' shapes, tuned (and logged) the first time only
+    (`dense_only`: their dense layouts, whatever copies they have)."""
     weight = layers[0].weight
-    key = (weight.dtype, torch.get_num_threads(), tuple(sorted({tuple(m.weight.shape) for m in layers})))
+    shapes = tuple(sorted({tuple(m.weight.shape) for m in layers}))
+    fmt = DENSE if dense_only else quantized_format(layers[0])
+    key = (weight.dtype, torch.get_num_threads(), fmt, shapes)
     table = _TABLES.get(key)
     if table is None:
         logger.info("timing GEMM layouts for the %s (--no-tune-kernels skips this)", role)
-        table = _TABLES[key] = tune(layers)
+        table = _TABLES[key] = tune(layers, dense_only=dense_only)
         logger.info("linear kernels, %s: %s", role, table.describe())
     return table
 

@@ -28,7 +28,8 @@ from torch import nn
 
 from models import layer_ops
 from models.kv_cache import KVCache, StepLayout, attend, text_config
-from models.linear_kernels import PACKED, STANDARD, KernelTable, TunedLinear, linear, pack
+from models.linear_kernels import PACKED, STANDARD, KernelTable, ModelKernels, TunedLinear, linear, pack
+from models.quantized import QuantizedWeight, concatenate
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -43,6 +44,9 @@ class Projection:
     The fused weight is the layers' weights concatenated; the layers' own parameters become
     views of it, so nothing is stored twice and transformers' forward still runs on them.
     Where the table packs, the fused weight is packed once and the layers' packed copies go.
+    Quantized layers (`models.quantized`) fuse their copies too (one product where they stack, one
+    call each where they do not), and the members drop theirs: transformers' forward runs them
+    dense, on the same values.
     """
 
     def __init__(self, layers: Sequence[nn.Linear]):
@@ -62,6 +66,13 @@ class Projection:
         self.members = list(layers)
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
+        copies = [getattr(layer, "quantized_weight", None) for layer in layers]
+        self.quantized_weight = concatenate(copies) if all(c is not None for c in copies) else None  # type: ignore[arg-type]
+        for layer in layers:
+            if isinstance(layer, TunedLinear) and layer.quantized_weight is not None:
+                # The copy is the fused product's now (or, where only some members had one, none
+                # runs: the fused product is dense); transformers' forward runs the members dense.
+                layer.quantized_weight, layer.kernel_table = None, STANDARD
         self.use_table(table)
 
     def use_table(self, table: KernelTable) -> None:
@@ -74,7 +85,7 @@ class Projection:
                 layer.packed_weight, layer.kernel_table = None, STANDARD
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.table.layout(x.shape[0]), self.packed)
+        return linear(x, self.weight, self.bias, self.table.layout(x.shape[0]), self.packed, self.quantized_weight)
 
 
 @dataclass
@@ -122,12 +133,20 @@ class LlamaForward:
         """The decoder's products as this forward runs them, for `models.linear_kernels.tune_model`."""
         return [gemm for layer in self.layers for gemm in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)]
 
-    def use_kernels(self, table: KernelTable) -> None:
-        """The fused products follow the decoder layers' tuned table (o_proj and down_proj are
-        the model's own layers, which `install_model` already set)."""
+    def fused_copies(self) -> list[QuantizedWeight | None]:
+        """The quantized copies of the fused products (which are not the model's modules)."""
+        return [p.quantized_weight for layer in self.layers for p in (layer.qkv, layer.gate_up)]
+
+    def fused_tensors(self) -> list[torch.Tensor | None]:
+        """The fused products' dense and packed weights (outside the model's modules too)."""
+        return [t for layer in self.layers for p in (layer.qkv, layer.gate_up) for t in (p.weight, p.packed)]
+
+    def use_kernels(self, kernels: ModelKernels) -> None:
+        """The fused products follow their tuned tables (o_proj and down_proj are the model's own
+        layers, which `install_model` already set)."""
         for layer in self.layers:
-            layer.qkv.use_table(table)
-            layer.gate_up.use_table(table)
+            layer.qkv.use_table(kernels.table_for(layer.qkv))
+            layer.gate_up.use_table(kernels.table_for(layer.gate_up))
 
     @classmethod
     def build(cls, model: Any) -> LlamaForward | None:

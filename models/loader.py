@@ -41,10 +41,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from models import catalogue, cpu_kernels, layer_ops, paged_attention
+from models import catalogue, cpu_kernels, layer_ops, paged_attention, weights
 from models.forward import lean_forward
 from models.kv_cache import KVCache, tune_attention
-from models.linear_kernels import UNTUNED, ModelKernels, tune_model
+from models.linear_kernels import UNTUNED, ModelKernels, install_model, tune_model
+from models.quantized import footprint
 
 logger = logging.getLogger("specd.models")
 
@@ -77,10 +78,13 @@ class ModelConfig:
     trust_remote_code: bool = False
     tune_kernels: bool = True  # time the linear layers' GEMM layouts at load (CPU; linear_kernels.py)
     cpu_attention: str = "paged"  # paged | gather: how CPU decode rows read the KV pool (paged_attention.py)
+    weights: str = "auto"  # auto | bf16 | int8 | int4: the format each weight is served in (weights.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.weights not in weights.WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(weights.WEIGHTS)}; got {self.weights!r}")
         if self.cpu_attention not in ("paged", "gather"):
             raise ValueError(f"cpu_attention must be paged or gather; got {self.cpu_attention!r}")
         if not _DEVICE_NAME.fullmatch(self.device):
@@ -102,6 +106,7 @@ class LoadedModel:
     max_position_embeddings: int
     eos_token_ids: list[int]
     kernels: ModelKernels = UNTUNED  # the GEMM layout its linear layers use per token count
+    weights: str = "auto"  # the --weights it was loaded with (`models.weights`)
 
 
 def default_cache_dir() -> Path:
@@ -163,10 +168,14 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model, tokenizer = _load_pretrained(_hf_source(cfg.model), model_id, cfg, device, dtype)
     model.eval()
     model.requires_grad_(False)
+    plan = weights.plan_for(cfg.weights, model, gguf_path, device)
+    weights.apply(model, plan, dtype)
     lean = lean_forward(model)  # fuses q/k/v and gate/up first: the products are timed as they run
     kernels = tune_model(model, lean.gemms() if lean else None) if cfg.tune_kernels else UNTUNED
-    if lean is not None and kernels.is_tuned:
-        lean.use_kernels(kernels.layers)
+    if plan and not kernels.is_tuned:
+        install_model(model, kernels)  # quantized copies still run small steps (UNTUNED_QUANTIZED)
+    if lean is not None:
+        lean.use_kernels(kernels)
     if cfg.tune_kernels and device.type == "cpu":
         tune_attention(*KVCache.heads(model.config), dtype)
     built = device.type == "cpu" and cpu_kernels.load(cfg.cache_dir or default_cache_dir())
@@ -182,14 +191,21 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         max_position_embeddings=_max_positions(model.config),
         eos_token_ids=_eos_token_ids(model, tokenizer),
         kernels=kernels,
+        weights=cfg.weights,
+    )
+    dense_bytes, quantized_bytes = footprint(
+        model, lean.fused_copies() if lean else (), lean.fused_tensors() if lean else ()
     )
     logger.info(
-        "loaded %s in %.1fs (%s, %s, %.1fM params)",
+        "loaded %s in %.1fs (%s, %s, %.1fM params; weights %s: %.2f GiB resident, %.2f GiB of it quantized)",
         model_id,
         time.perf_counter() - started,
         str(dtype).removeprefix("torch."),
         device,
         model.num_parameters() / 1e6,
+        cfg.weights,
+        (dense_bytes + quantized_bytes) / 2**30,
+        quantized_bytes / 2**30,
     )
     if not tokenizer.chat_template:
         logger.warning("%s has no chat template", model_id)

@@ -67,6 +67,7 @@ def model_config(settings: Settings) -> ModelConfig:
         trust_remote_code=settings.trust_remote_code,
         tune_kernels=settings.tune_kernels,
         cpu_attention=settings.cpu_attention,
+        weights=settings.weights,
     )
 
 

@@ -37,12 +37,12 @@ logger = logging.getLogger("specd.server")
 # Settings that `generate` shares with `serve`.
 GENERATE_SETTINGS = (
     "model", "draft", "draft_model", "draft_head", "num_speculative_tokens", "dtype", "device", "cache_dir",
-    "max_model_len", "revision", "trust_remote_code", "log_level",
+    "max_model_len", "revision", "trust_remote_code", "log_level", "weights",
 )  # fmt: skip
 # Settings that `train-draft` shares with `serve`: which target, loaded how.
 TRAIN_DRAFT_SETTINGS = (
     "model", "dtype", "device", "cache_dir", "revision", "trust_remote_code", "tune_kernels", "cpu_attention",
-    "log_level",
+    "log_level", "weights",
 )  # fmt: skip
 
 

@@ -149,6 +149,14 @@ class Settings(BaseSettings):
         "needs a C++ compiler, else gather with a warning) or gather (each row's blocks copied out for SDPA "
         "every layer).",
     )
+    weights: Literal["auto", "bf16", "int8", "int4"] = Field(
+        "auto",
+        description="Weight format (CPU): auto keeps a GGUF's quantized tensors quantized, each in the nearest "
+        "of int8 (5-8 bit types) and int4 (4-bit and smaller), and a float checkpoint dense; bf16 serves every "
+        "weight dense in --dtype; int8 / int4 quantize every linear layer (the output projection int8). A "
+        "quantized layer keeps its dense values too, and the per-step-size timing at load picks torch's "
+        "weight-only kernel (decode steps of a few rows) or the dense product (verify and prefill).",
+    )
     tune_kernels: bool = Field(
         True,
         description="On CPU, time the two GEMM layouts of the linear layers at load (~9 s for SmolLM2: the decoder "

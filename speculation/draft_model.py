@@ -31,7 +31,8 @@ class DraftModelProposer(DeviceProposer):
 
     @classmethod
     def build(cls, context: BuildContext) -> DraftModelProposer:
-        """Load the draft model as the target was loaded (dtype, device, kernels, attention)."""
+        """Load the draft model as the target was loaded (dtype, device, kernels, attention, weight
+        format: a quantized draft's step shrinks as the target's does)."""
         target = context.target
         config = replace(
             context.loaded_as,

@@ -30,6 +30,7 @@ def loaded_as(model: ModelConfig | LoadedModel) -> ModelConfig:
         device=model.device.type,
         tune_kernels=model.kernels.is_tuned,
         cpu_attention="paged" if paged_attention.enabled() else "gather",
+        weights=model.weights,
     )
 
 

@@ -105,12 +105,12 @@ def test_tuned_layers_follow_the_table_and_keep_their_outputs(tiny_llama_dir):
 
 def test_the_sample_takes_whole_weights_then_the_first_rows_of_the_one_that_crosses_the_budget():
     layers = [nn.Linear(16, 8), nn.Linear(16, 8, bias=False), nn.Linear(16, 100), nn.Linear(16, 8)]
-    weights = [(m.weight, m.bias) for m in layers]
+    weights = [(m.weight, m.bias, None) for m in layers]
     sample = linear_kernels._sample(weights, (2 * 8 * 16 + 3 * 16) * 4)  # float32
-    assert [tuple(w.shape) for w, _ in sample] == [(8, 16), (8, 16), (3, 16)]
+    assert [tuple(w.shape) for w, _, _ in sample] == [(8, 16), (8, 16), (3, 16)]
     assert sample[1][1] is None and sample[2][1].shape == (3,)
     assert sample[2][0].data_ptr() == layers[2].weight.data_ptr()  # a view: nothing copied
-    assert [tuple(w.shape) for w, _ in linear_kernels._sample(sample, 8 * 16 * 4 + 1)] == [(8, 16), (1, 16)]
+    assert [tuple(w.shape) for w, _, _ in linear_kernels._sample(sample, 8 * 16 * 4 + 1)] == [(8, 16), (1, 16)]
 
 
 def test_past_32_rows_the_tuner_times_a_quarter_of_the_sample(monkeypatch):
@@ -140,7 +140,7 @@ def test_the_output_projection_is_tuned_on_its_own_weights(tiny_llama_dir, monke
     layers_table = KernelTable((TRANSPOSED,) * len(RUNGS), (0.5,) * len(RUNGS))
     output_table = KernelTable((STANDARD_LAYOUT,) * len(RUNGS), (1.0,) * len(RUNGS))
 
-    def fake_tune(layers):
+    def fake_tune(layers, dense_only=False):
         tuned.append(list(layers))
         return output_table if layers == [output] else layers_table
 

@@ -1,0 +1,118 @@
+"""Which format each weight is served in (`--weights`), and putting a model's weights in it.
+
+- `bf16`: every weight dense, in the served dtype (`--dtype`: bfloat16, or float32 on CPUs
+  without native bf16). What specd did before quantized layers existed.
+- `int8` / `int4`: every linear layer of the decoder quantized (`models.quantized`), the output
+  projection in int8 (logits are where 4-bit error shows first: llama.cpp's Q4_K_M keeps its
+  output at 6 bits for the same reason), unless it is the input embedding too. The embedding is
+  a gather of a few rows, nothing to gain: it stays dense.
+- `auto`: a GGUF's quantized linear layers stay quantized, each requantized in the nearest torch
+  format by its bits (4-bit and smaller types: int4; 5- to 8-bit types: int8), and the rest stays
+  dense: float tensors, the embedding, and an output projection that is the embedding (a tied
+  model's); a float checkpoint (a Hub id or a directory) stays as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.linear_kernels import TunedLinear
+from models.quantized import INT4, INT8, quantize
+
+logger = logging.getLogger("specd.models")
+
+WEIGHTS = ("auto", "bf16", "int8", "int4")
+DENSE = "bf16"
+
+# GGUF tensor types by the torch format nearest their bits per weight.
+_GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS",
+              "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"}  # fmt: skip
+_GGUF_INT8 = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
+# GGUF tensor names of a Llama-family decoder -> the transformers module they load into.
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_GGUF_MODULES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+OUTPUT = "output"  # the plan's key for the output projection
+
+Plan = dict[str, str]  # module name (or OUTPUT) -> INT8 | INT4; absent: dense
+
+
+def gguf_plan(path: Path) -> Plan:
+    """`auto` for a GGUF: each quantized tensor in the torch format nearest its type."""
+    import gguf  # transformers' own GGUF reader dependency
+
+    plan: Plan = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        kind = tensor.tensor_type.name
+        fmt = INT4 if kind in _GGUF_INT4 else INT8 if kind in _GGUF_INT8 else None
+        if fmt is None:
+            continue
+        if tensor.name == "output.weight":
+            plan[OUTPUT] = INT8
+        elif (match := _GGUF_LAYER.fullmatch(tensor.name)) and match[2] in _GGUF_MODULES:
+            plan[f"model.layers.{match[1]}.{_GGUF_MODULES[match[2]]}"] = fmt
+    return plan
+
+
+def uniform_plan(model: Any, fmt: str) -> Plan:
+    """Every linear layer of the decoder in `fmt`, the output projection in int8 (dense where it is
+    the input embedding's weight too: quantizing it would change the embedding, and a draft head
+    made for the model checks that it has not changed)."""
+    output = model.get_output_embeddings()
+    plan: Plan = {name: fmt for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not output}
+    if output.weight is not model.get_input_embeddings().weight:
+        plan[OUTPUT] = INT8
+    return plan
+
+
+def plan_for(choice: str, model: Any, gguf_path: Path | None, device: torch.device) -> Plan:
+    """The plan `--weights choice` means for `model` (loaded from `gguf_path`, if from a GGUF)."""
+    if choice not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}; got {choice!r}")
+    if choice == DENSE or (choice == "auto" and gguf_path is None):
+        return {}
+    if device.type != "cpu":
+        logger.warning("--weights %s: the weight-only kernels are CPU-only here; serving dense weights", choice)
+        return {}
+    if choice == "auto":
+        assert gguf_path is not None
+        try:
+            return gguf_plan(gguf_path)
+        except (ValueError, OSError) as exc:  # transformers read it; gguf's own reader did not
+            logger.warning("--weights auto: cannot read %s's tensor types (%s); serving dense weights", gguf_path, exc)
+            return {}
+    return uniform_plan(model, choice)
+
+
+@torch.no_grad()
+def apply(model: Any, plan: Plan, dtype: torch.dtype) -> None:
+    """Quantize `model`'s planned linear layers in place: each keeps a weight-only copy
+    (`quantized_weight`) and its dense weight becomes the values those codes stand for, so the
+    model served is the quantized one whichever kernel a step runs (the dense values rounded to
+    `dtype`: in bfloat16 the two kernels differ by that rounding, as step shapes do)."""
+    if not plan:
+        return
+    output = model.get_output_embeddings()
+    modules = dict(model.named_modules())
+    targets = [(modules[name], fmt) for name, fmt in plan.items() if isinstance(modules.get(name), nn.Linear)]
+    if OUTPUT in plan and isinstance(output, nn.Linear):
+        targets.append((output, plan[OUTPUT]))
+    for layer, fmt in targets:
+        copy, dense = quantize(layer.weight, fmt, dtype)
+        layer.weight.data.copy_(dense)
+        if type(layer) is nn.Linear:
+            layer.__class__ = TunedLinear
+        layer.quantized_weight = copy

@@ -1,0 +1,119 @@
+"""`--weights`: which layers a format quantizes, the model each serves, and speculation lossless
+with respect to it (a quantized layer's dense weight holds its codes' values, so every step size
+computes one model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from models.forward import lean_forward
+from models.linear_kernels import QUANTIZED, KernelTable, TunedLinear, linear_layers
+from models.loader import ModelConfig, default_gguf_path, load_model
+from models.quantized import INT4, INT8, Int4Weight, Int8Weight, footprint
+from models.weights import OUTPUT, WEIGHTS, gguf_plan, plan_for, uniform_plan
+from scheduler.offline import run_offline
+from scheduler.scheduler import SchedulerConfig
+from scheduler.types import Request, SamplingParams
+from speculation.config import ProposerConfig, SpecConfig
+from worker.builder import build_runner
+from worker.runner import RunnerConfig
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "A B C D A B C D A B", "Hello world! Hello"]
+
+
+def load(model_dir, weights: str, **kwargs):
+    return load_model(ModelConfig(str(model_dir), dtype="float32", device="cpu", weights=weights, **kwargs))
+
+
+@pytest.mark.parametrize("fmt,kind", [("int8", Int8Weight), ("int4", Int4Weight)])
+def test_a_format_quantizes_every_decoder_product_and_the_output_projection_in_int8(tiny_llama_dir, fmt, kind):
+    loaded = load(tiny_llama_dir, fmt, tune_kernels=False)
+    model, lean = loaded.model, lean_forward(loaded.model)
+    assert lean is not None and loaded.weights == fmt
+    for layer in lean.layers:
+        # q, k and v stack into one copy where torch's int4 layout allows (k and v of 32 rows do
+        # not fill its 64-row blocks here: one call each, one format)
+        assert layer.qkv.quantized_weight.fmt == fmt and isinstance(layer.gate_up.quantized_weight, kind)
+        assert isinstance(layer.o_proj.quantized_weight, kind) and isinstance(layer.down_proj.quantized_weight, kind)
+        assert layer.qkv.table.layout(1) == QUANTIZED  # untimed: small steps still take the weight-only kernel
+    assert isinstance(model.get_output_embeddings().quantized_weight, Int8Weight)
+    dense_bytes, quantized_bytes = footprint(model, lean.fused_copies())
+    assert 0 < quantized_bytes < dense_bytes
+
+
+def test_bf16_and_auto_on_a_float_checkpoint_keep_every_weight_dense(tiny_llama_dir):
+    for weights in ("bf16", "auto"):
+        model = load(tiny_llama_dir, weights, tune_kernels=False).model
+        assert not any(getattr(m, "quantized_weight", None) for m in model.modules())
+        assert all(type(m) is nn.Linear for m in linear_layers(model))
+    with pytest.raises(ValueError, match="weights must be one of"):
+        ModelConfig(weights="int2")
+    assert WEIGHTS == ("auto", "bf16", "int8", "int4")
+
+
+def test_auto_on_a_gguf_keeps_each_quantized_tensor_in_its_nearest_format():
+    plan = gguf_plan(default_gguf_path())  # SmolLM2-135M Q4_1: every layer 4-bit, the output tied to the embedding
+    assert plan and set(plan.values()) == {INT4} and OUTPUT not in plan
+    assert all(name.startswith("model.layers.") for name in plan)
+    assert "model.layers.0.self_attn.q_proj" in plan and "model.layers.29.mlp.down_proj" in plan
+
+
+def test_the_plan_for_each_choice(tiny_llama_dir):
+    model = load(tiny_llama_dir, "bf16", tune_kernels=False).model
+    cpu = torch.device("cpu")
+    assert plan_for("bf16", model, default_gguf_path(), cpu) == {}
+    assert plan_for("auto", model, None, cpu) == {}
+    plan = uniform_plan(model, INT4)
+    assert plan[OUTPUT] == INT8 and sum(v == INT4 for v in plan.values()) == 7 * 4  # 7 linear layers x 4 layers
+    assert plan_for("int4", model, None, cpu) == plan
+    model.get_output_embeddings().weight = model.get_input_embeddings().weight  # tied: the output stays dense
+    assert OUTPUT not in uniform_plan(model, INT4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_every_step_size_serves_one_model(tiny_llama_dir, fmt):
+    """One token through the weight-only kernels, the same tokens in one dense forward: the
+    quantized model either way (rounding apart)."""
+    loaded = load(tiny_llama_dir, fmt, tune_kernels=False)
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3]])
+    with torch.inference_mode():
+        dense = loaded.model(input_ids=ids).logits[0, -1]
+        for layer in linear_layers(loaded.model):
+            if isinstance(layer, TunedLinear) and layer.quantized_weight is not None:
+                layer.kernel_table = KernelTable((QUANTIZED,) * 45, (1.0,) * 45)
+        # transformers' forward on the same layers, now all through the weight-only kernel
+        # (fused members keep none: the output projection and o/down run weight-only)
+        weight_only = loaded.model(input_ids=ids).logits[0, -1]
+    torch.testing.assert_close(weight_only, dense, rtol=1e-3, atol=1e-3)
+    reference = load(tiny_llama_dir, "bf16", tune_kernels=False).model
+    with torch.inference_mode():
+        float_logits = reference(input_ids=ids).logits[0, -1]
+    assert (dense - float_logits).abs().max() > 0  # the served model is the quantized one
+    # close to the float model all the same (random weights: no structure for 4 bits to keep)
+    assert torch.nn.functional.cosine_similarity(dense, float_logits, dim=0) > (0.999 if fmt == "int8" else 0.95)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_is_lossless_with_respect_to_the_quantized_model(tiny_llama_dir, tiny_draft_dir, fmt, method):
+    # Untimed: decode steps of 1-4 rows run the weight-only kernels, verify steps the dense product.
+    target = load(tiny_llama_dir, fmt, tune_kernels=False)
+    assert lean_forward(target.model).layers[0].gate_up.table.layout(1) == QUANTIZED
+    tokenizer = target.tokenizer
+    config = SchedulerConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256,
+                             eos_token_ids=target.eos_token_ids, spec=SpecConfig(num_speculative_tokens=4))  # fmt: skip
+
+    def generate(proposer: ProposerConfig, speculation: bool) -> list[list[int]]:
+        runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=256), proposer)
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, speculation=speculation)
+        done = run_offline(runner, config, [Request(f"r{i}", tokenizer(p).input_ids, params) for i, p in
+                                            enumerate(PROMPTS)])  # fmt: skip
+        assert all(c.error is None for c in done)
+        if speculation:
+            assert sum(c.num_draft_tokens for c in done) > 0
+        return [c.token_ids for c in done]
+
+    draft = str(tiny_draft_dir) if method == "draft_model" else None
+    assert generate(ProposerConfig(method, draft), True) == generate(ProposerConfig("none"), False)
