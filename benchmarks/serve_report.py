@@ -6,7 +6,8 @@ the ratios the benchmark exists for: `on / off` and `auto / best of off, on`
 `off / peer` (plain decoding against the peer's) and, beside n-gram peers,
 `auto / best peer n-gram` and `on / best peer n-gram`; with both a plain and
 an n-gram peer, `auto / peer plain` (a peer whose speculation cannot turn
-itself off per request against one that never speculates).
+itself off per request against one that never speculates); and per peer engine
+`specd best / ENGINE best`: specd's fastest mode over that engine's fastest.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ def ratio(num: float, den: float) -> float | None:
 
 
 def is_ngram_peer(mode: str) -> bool:
-    return "-ngram-" in mode
+    """A peer mode that speculates (vLLM's n-gram, llama.cpp's prompt lookup)."""
+    return "-ngram-" in mode or "-lookup-" in mode
+
+
+def peer_engine(mode: str) -> str:
+    """The engine a peer mode runs ("vllm-ngram-k5" -> "vllm")."""
+    return mode.split("-", 1)[0]
 
 
 def peer_modes(runs: list[dict]) -> list[str]:
@@ -143,9 +150,16 @@ def tradeoff(runs: list[dict]) -> dict:
     for (kind, load), modes in by_load.items():
         tps = {mode: run["output_throughput"] for mode, run in modes.items()}
         best = max(tps.get("off", 0.0), tps.get("on", 0.0))
-        plain_peer = next((tps[m] for m in tps if m not in MODES and not is_ngram_peer(m)), None)
-        ngram_peer = max((tps[m] for m in tps if is_ngram_peer(m)), default=None)
-        rows.append({"load_kind": kind, "load": load, "output_throughput": tps,
+        specd_best = max((tps[m] for m in MODES if m in tps), default=0.0)
+        engines = dict.fromkeys(peer_engine(m) for m in tps if m not in MODES)
+        # The plain/n-gram peer columns name one peer: with several engines, only best against best.
+        single = len(engines) == 1
+        plain_peer = next((tps[m] for m in tps if m not in MODES and not is_ngram_peer(m)), None) if single else None
+        ngram_peer = max((tps[m] for m in tps if is_ngram_peer(m)), default=None) if single else None
+        best_vs = {f"best_vs_{engine}": ratio(specd_best, max(v for m, v in tps.items()
+                                                              if m not in MODES and peer_engine(m) == engine))
+                   for engine in engines}  # fmt: skip
+        rows.append({"load_kind": kind, "load": load, "output_throughput": tps, **best_vs,
                      "off_vs_peer": ratio(tps["off"], plain_peer) if "off" in tps and plain_peer else None,
                      "auto_vs_peer_ngram": ratio(tps["auto"], ngram_peer) if "auto" in tps and ngram_peer else None,
                      "on_vs_peer_ngram": ratio(tps["on"], ngram_peer) if "on" in tps and ngram_peer else None,
@@ -174,7 +188,7 @@ def markdown(report: dict) -> str:
         f"{length_label(meta)} per request (greedy); {meta['machine']}, {meta['date']}.\n",
     ]
     for mode, label in (meta.get("peers") or {}).items():
-        text.append(f"Peer `{mode}`: {label}, the same model directory, dtype and max-model-len.\n")
+        text.append(f"Peer `{mode}`: {label}, on the model specd serves, with the same max-model-len.\n")
     rows = [[r["mode"], load_label(r), f"{r['num_completed']}/{r['num_requests']}", fmt(r["request_throughput"], 2),
              fmt(r["output_throughput"]), pct(r["ttft_ms"], "p50"), pct(r["tpot_ms"], "p50"), pct(r["itl_ms"], "p50"),
              pct(r["e2e_ms"], "p50", 1e-3, 2), share(r["acceptance_rate"]), fmt(r["mean_acceptance_length"], 2),
@@ -227,11 +241,14 @@ def tradeoff_markdown(summary: dict) -> list[str]:
     modes = list(dict.fromkeys(m for r in rows_in for m in r["output_throughput"]))
     modes = [m for m in MODES if m in modes] + [m for m in modes if m not in MODES]
     columns = [key for key in RATIO_COLUMNS if any(r.get(key) is not None for r in rows_in)]
+    engines = list(dict.fromkeys(key for r in rows_in for key in r if key.startswith("best_vs_")))
+    titles = {**RATIO_COLUMNS, **{key: f"specd best / {key.removeprefix('best_vs_')} best" for key in engines}}
+    columns += engines
     rows = [[f"c={r['load']}" if r["load_kind"] == "concurrency" else f"{r['load']} req/s",
              *(fmt(r["output_throughput"].get(m)) for m in modes), *(fmt(r.get(key), 2) for key in columns)]
             for r in rows_in]  # fmt: skip
     text = ["\n### Speculation trade-off (output tok/s)\n",
-            md_table(["load", *modes, *(RATIO_COLUMNS[key] for key in columns)], rows), ""]  # fmt: skip
+            md_table(["load", *modes, *(titles[key] for key in columns)], rows), ""]  # fmt: skip
     if summary["crossover_concurrency"] is not None:
         level = summary["crossover_concurrency"]
         text.append(f"Speculation stops paying from concurrency {level} (on < off there and above).")

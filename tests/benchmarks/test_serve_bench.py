@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
-from benchmarks import serve_bench, serve_client, serve_report
-from benchmarks.peers import Peer, VllmServe
+from benchmarks import peers, serve_bench, serve_client, serve_report
+from benchmarks.peers import LlamaCppServe, Peer, VllmServe
 from scheduler.types import PLAIN_REASONS
+from tests.support.server import ServerError
 
 MODES = ("off", "on", "auto")
 LEVELS = (1, 2)
@@ -226,3 +228,70 @@ def test_vllm_n_gram_peer_drafts_with_specds_lookup_windows():
     }  # fmt: skip
     server.ngram_k = 0
     assert server.speculative_config is None
+
+
+def test_each_peer_engine_gets_a_best_against_best_column():
+    tps = {"off": 10.0, "on": 20.0, "auto": 24.0, "llamacpp": 22.0, "llamacpp-lookup-k10": 30.0, "vllm": 8.0}
+    runs = [{"load_kind": "concurrency", "load": 1, "mode": mode, "output_throughput": value}
+            for mode, value in tps.items()]  # fmt: skip
+    (row,) = serve_report.tradeoff(runs)["rows"]
+    assert row["best_vs_llamacpp"] == pytest.approx(24 / 30) and row["best_vs_vllm"] == pytest.approx(3.0)
+    assert row["off_vs_peer"] is None and row["auto_vs_peer_ngram"] is None  # two engines: which peer?
+    del tps["vllm"]
+    (row,) = serve_report.tradeoff([r for r in runs if r["mode"] != "vllm"])["rows"]
+    assert row["auto_vs_peer_ngram"] == pytest.approx(24 / 30)  # prompt lookup is the speculating peer
+    text = "\n".join(serve_report.tradeoff_markdown(serve_report.tradeoff(runs)))
+    assert "specd best / llamacpp best" in text and "specd best / vllm best" in text
+
+
+def test_a_llamacpp_peer_serves_the_gguf_with_concurrent_clients_queued(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    args = serve_bench.parse_args(["--model", str(gguf), "--peer", "llamacpp", "--llamacpp-python",
+                                   "/x/bin/python", "--peer-lookup-k", "10", "--peer-threads", "2"])  # fmt: skip
+    assert args.peer == ["llamacpp"] and args.peer_lookup_k == [10]
+    server = LlamaCppServe.__new__(LlamaCppServe)
+    server.gguf, server.python, server.threads, server.max_model_len, server.lookup_k, server.port = (
+        peers.served_gguf(args),
+        Path("/x/bin/python"),
+        2,
+        1024,
+        10,
+        8123,
+    )
+    command = server.command([])
+    assert command[:3] == ["/x/bin/python", "-m", "llama_cpp.server"] and str(gguf) in command
+    assert command[command.index("--interrupt_requests") + 1] == "False"
+    assert command[command.index("--n_threads") + 1] == "2"
+    assert command[command.index("--draft_model_num_pred_tokens") + 1] == "10"
+    label = Peer("llamacpp-lookup-k10", server).label
+    assert "prompt lookup K=10" in label and "2 threads" in label
+    assert not Peer("llamacpp", server).takes_specd_fields
+    with pytest.raises(SystemExit):
+        serve_bench.parse_args(["--peer", "llamacpp"])
+    with pytest.raises(SystemExit):
+        serve_bench.parse_args(["--peer", "sglang"])
+    args.model = str(tmp_path)  # a directory: no GGUF for llama.cpp to read
+    with pytest.raises(ServerError, match="needs a GGUF"):
+        peers.served_gguf(args)
+
+
+def test_a_peer_environment_is_built_once(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(peers.subprocess, "run", lambda command, **kw: calls.append((command, kw.get("env"))))
+    python = peers.install_peer("llamacpp", tmp_path)
+    assert python == tmp_path / "llamacpp" / "bin" / "python"
+    assert any("llama-cpp-python[server]==0.3.36" in command for command, _ in calls)
+    env = next(env for command, env in calls if env)
+    assert env["CMAKE_ARGS"] == peers.llamacpp_cmake_args()
+    calls.clear()
+    assert peers.install_peer("llamacpp", tmp_path) == python and not calls  # the marker says it is there
+
+
+def test_llama_cpp_is_built_for_the_cpus_instructions_without_amx(monkeypatch):
+    monkeypatch.setattr(peers.platform, "machine", lambda: "x86_64")
+    args = peers.llamacpp_cmake_args("processor: 0\nflags\t\t: fpu avx avx2 fma f16c avx512f avx512_vnni amx_tile\n")
+    assert "-DGGML_NATIVE=OFF" in args and "-DGGML_AVX512_VNNI=ON" in args and "-DGGML_AVX512_BF16=OFF" in args
+    assert "AMX" not in args
+    monkeypatch.setattr(peers.platform, "machine", lambda: "aarch64")
+    assert peers.llamacpp_cmake_args("") == "-DGGML_NATIVE=ON"
