@@ -1,10 +1,13 @@
 """An online model of one engine step's time, learned on the running machine.
 
-    t = f(T) + c_ctx * C + c_spec * [the step verifies drafts] + c_draft * D + c_logits * L
+    t = f(T) + c_ctx * C + c_spec * [the step verifies drafts] + c_draft * D + c_row * R + c_logits * L
 
 T is the tokens the target computes (prefill chunks, decode tokens, drafts),
 C the keys its rows attend over (sum of context lengths), D the draft model's
-forwards (0 for model-free proposers), L the positions the output projection
+forwards (0 for model-free proposers), R the rows those forwards compute (a
+draft model's forward over 16 rows costs more than over one: on the real
+pair, Qwen2.5-Coder-0.5B drafting for 1.5B, pricing forwards alone learned the
+cost at one stream and lost 22% to plain decoding at 8), L the positions the output projection
 computes logits for (every sampling row's last token and drafts; a prefill
 chunk's other tokens get none). L is what separates a verify step from a
 prefill chunk of as many tokens: on SmolLM2 in float32 on 2 cores the output
@@ -44,12 +47,13 @@ KNOTS = np.array(
 # 5 tokens also measures one of 6.
 _SUPPORT_KNOTS = [float(1 << i) for i in range(15)]  # 1, 2, 4, ..., 16384
 # Parameters: f's level at T = 1, f's slope on each segment between knots (the
-# last one extrapolates), then the per-thousand-keys, verify, draft-forward and logits-row costs.
+# last one extrapolates), then the per-thousand-keys, verify, draft-forward, logits-row and
+# draft-row costs.
 _NUM_SLOPES = len(KNOTS) - 1
 _LEVEL = 0
 _SLOPES = slice(1, 1 + _NUM_SLOPES)
-_CTX, _SPEC, _DRAFT, _LOGITS = 1 + _NUM_SLOPES, 2 + _NUM_SLOPES, 3 + _NUM_SLOPES, 4 + _NUM_SLOPES
-_NUM_FEATURES = 5 + _NUM_SLOPES
+_CTX, _SPEC, _DRAFT, _LOGITS, _DRAFT_ROWS = (n + _NUM_SLOPES for n in range(1, 6))
+_NUM_FEATURES = 6 + _NUM_SLOPES
 _CTX_SCALE = 1e-3  # C is fitted per thousand keys, so all features have similar sizes
 _WIDTHS = np.diff(KNOTS)
 _KNOT_LIST = [float(k) for k in KNOTS]
@@ -65,6 +69,7 @@ class StepShape:
     is_spec: bool = False
     num_draft_forwards: int = 0  # D
     num_logits: int = 0  # L
+    num_draft_rows: int = 0  # R: rows summed over the draft forwards
 
 
 @dataclass
@@ -100,6 +105,7 @@ def _features(shape: StepShape) -> np.ndarray:
     x[_SPEC] = 1.0 if shape.is_spec else 0.0
     x[_DRAFT] = float(shape.num_draft_forwards)
     x[_LOGITS] = float(shape.num_logits)
+    x[_DRAFT_ROWS] = float(shape.num_draft_rows)
     return x
 
 
@@ -185,6 +191,11 @@ class StepCostModel:
         return max(float(self.coef[_DRAFT]), 0.0)
 
     @property
+    def draft_row_cost(self) -> float:
+        """Seconds one more row adds to a draft forward."""
+        return max(float(self.coef[_DRAFT_ROWS]), 0.0)
+
+    @property
     def logits_cost(self) -> float:
         """Seconds one more position's logits add (each draft token adds one)."""
         return max(float(self.coef[_LOGITS]), 0.0)
@@ -254,6 +265,7 @@ class StepCostModel:
             "ms_per_1k_context": round(float(self.coef[_CTX]) * 1e3, 4),
             "ms_spec_step": round(self.spec_cost * 1e3, 3),
             "ms_per_draft_forward": round(self.draft_forward_cost * 1e3, 3),
+            "ms_per_draft_row": round(self.draft_row_cost * 1e3, 3),
             "ms_per_logits_row": round(self.logits_cost * 1e3, 3),
         }
 
@@ -261,15 +273,17 @@ class StepCostModel:
 def step_shape(batch: Batch, output: StepOutput) -> StepShape:
     """What the step cost model prices of a step as it ran: the tokens the target computed
     (drafts included), the keys they attended over, whether it verified, draft forwards
-    (one for probes alone), and the positions it computed logits for (a sampling row's last
-    token and drafts)."""
+    (one for probes alone) and the rows they computed, and the positions it computed logits for
+    (a sampling row's last token and drafts)."""
     drafts = [out.num_draft_tokens for out in output.rows]
     device_drafts = [out.num_draft_tokens for out in output.rows if registry.capabilities(out.method).on_device]
-    probed = any(out.probe_id is not None for out in output.rows)
+    probes = sum(out.probe_id is not None for out in output.rows)
+    probed = probes > 0
     return StepShape(
         num_tokens=sum(len(row.token_ids) for row in batch.rows) + sum(drafts),
         num_context=sum(row.start_pos + len(row.token_ids) + k for row, k in zip(batch.rows, drafts)),
         is_spec=any(drafts),
         num_draft_forwards=max(*device_drafts, int(probed), 0),
         num_logits=sum(1 + k for row, k in zip(batch.rows, drafts) if row.sample),
+        num_draft_rows=sum(device_drafts) + probes,
     )

@@ -194,18 +194,20 @@ class SpecPolicy:
         already_spec = forced > 0
         on_device = [self._on_device(r, i, lookup_rows) for i, r in enumerate(requests)]
         draft_positions = max((k for k, dev in zip(ks, on_device) if dev), default=0)
+        draft_rows = sum(k for k, dev in zip(ks, on_device) if dev)
         cost = self.cost
         if cost.is_fitted:
             context = sum(r.num_computed_tokens + 1 for r in requests) + forced
             decode = StepShape(len(requests) + forced, context, already_spec, draft_positions,
-                               num_logits=len(requests) + forced)  # fmt: skip
+                               num_logits=len(requests) + forced, num_draft_rows=draft_rows)  # fmt: skip
             seconds = max(cost.predict(decode), 1e-9)  # an early fit can price a small step at 0
             whole = replace(decode, num_tokens=tokens, num_context=context + prefill.num_context,
                             num_logits=decode.num_logits + prefill.num_logits)  # fmt: skip
             prefill_seconds = max(cost.predict(whole) - seconds, 0.0)
             spec_cost, draft_cost, logits_cost = cost.spec_cost, cost.draft_forward_cost, cost.logits_cost
+            row_cost = cost.draft_row_cost
         else:  # nothing measured yet: a memory-bound guess (a token costs 2% of a step)
-            seconds, prefill_seconds, spec_cost, draft_cost, logits_cost = 1.0, 0.0, 0.0, 0.0, 0.0
+            seconds, prefill_seconds, spec_cost, draft_cost, logits_cost, row_cost = 1.0, 0.0, 0.0, 0.0, 0.0, 0.0
         plain_seconds, plain_expected = seconds, expected
         order = sorted(candidates, key=lambda c: -c[0])[: max(budget, 0)]
         best = 0
@@ -213,14 +215,17 @@ class SpecPolicy:
             expected_at = expected + np.cumsum([gain for gain, _ in order])
             m = np.arange(1, len(order) + 1)
             added = cost.added_tokens_costs(tokens, len(order)) + logits_cost * m if cost.is_fitted else 0.02 * m
-            # A device proposer runs one more forward for each position past its longest draft so far.
-            drafted, positions, longest = [0] * len(requests), draft_positions, []
+            # A device proposer runs one more forward for each position past its longest draft so far,
+            # and each of its draft tokens is one more row of a forward.
+            drafted, positions, longest, device_rows = [0] * len(requests), draft_positions, [], []
             for _, i in order:
                 if on_device[i]:
                     drafted[i] += 1
                     positions = max(positions, drafted[i])
                 longest.append(positions)
+                device_rows.append(sum(drafted))
             forwards = draft_cost * (np.array(longest, dtype=np.float64) - draft_positions)
+            forwards += row_cost * np.array(device_rows, dtype=np.float64)
             totals = seconds + added + forwards + (0.0 if already_spec else spec_cost)
             rates = expected_at / totals
             top = int(np.argmax(rates))  # the first of equals: the shortest plan with the best rate
@@ -284,7 +289,7 @@ class SpecPolicy:
         context = sum(r.num_computed_tokens + 1 for r in requests) + prefill.num_context
         plain = StepShape(len(requests) + prefill.num_tokens, context, num_logits=len(requests) + prefill.num_logits)
         seconds = self.cost.predict(plain)
-        premium = self.cost.predict(replace(plain, num_draft_forwards=1)) - seconds
+        premium = self.cost.predict(replace(plain, num_draft_forwards=1, num_draft_rows=num_probes)) - seconds
         if seconds <= 0.0 or premium <= 0.0:
             return interval
         return max(interval, premium / (self.config.probe_budget * seconds))

@@ -18,6 +18,7 @@ def truth(s: StepShape) -> float:
         + 0.002 * s.num_context / 1000
         + 0.003 * s.is_spec
         + 0.006 * s.num_draft_forwards
+        + 0.0015 * s.num_draft_rows
         + 0.0008 * s.num_logits
     )
 
@@ -27,12 +28,14 @@ def random_step(rng: random.Random) -> StepShape:
     spec = rng.random() < 0.5
     drafts = rng.randint(0, 4 * rows) if spec else 0
     prefill = rng.choice([0, 0, 0, 128, 512])
+    forwards = rng.choice([0, 0, 2, 4]) if drafts else 0
     return StepShape(
         rows + drafts + prefill,
         rows * rng.randint(100, 1500),
         spec and drafts > 0,
-        rng.choice([0, 0, 2, 4]) if drafts else 0,
+        forwards,
         rows + drafts + (prefill > 0 and rng.random() < 0.5),  # a prefill chunk samples at its end only
+        min(drafts, forwards * rows),  # a draft model's forwards compute up to every row
     )
 
 
@@ -55,6 +58,7 @@ def test_recovers_a_synthetic_cost_function():
         true_marginal = truth(StepShape(tokens + 1)) - truth(StepShape(tokens))
         assert model.added_tokens_cost(tokens, 1) == pytest.approx(true_marginal, rel=0.6, abs=2e-4)
     assert model.draft_forward_cost == pytest.approx(0.006, rel=0.25)
+    assert model.draft_row_cost == pytest.approx(0.0015, rel=0.3)
     assert model.logits_cost == pytest.approx(0.0008, rel=0.3)
 
 

@@ -143,3 +143,26 @@ def test_a_prefill_chunk_in_the_step_does_not_make_drafts_look_cheap():
     beside, plan = policy.decide(batch, [8] * 8, 1024, prefill=StepShape(512, 512))
     assert alone == beside == [0] * 8  # counting the prefill in, every row would draft 8
     assert plan.predicted_seconds == pytest.approx(fn(StepShape(520, 520)), rel=0.05)  # the whole step
+
+
+def test_a_draft_model_whose_forward_grows_with_its_rows_pays_at_one_stream_and_not_at_sixteen():
+    """Each draft forward costs 0.05 s plus 0.02 s per row it drafts for: four positions for one row
+    cost 0.28 s, for sixteen rows 1.48 s. Priced by forwards alone, both looked like 0.2 s, and
+    sixteen rows speculated at a loss."""
+
+    def cost(s: StepShape) -> float:
+        return 1.0 + 0.01 * s.num_tokens + 0.05 * s.num_draft_forwards + 0.02 * s.num_draft_rows
+
+    model = trained(cost)
+    for _ in range(30):
+        for rows in (1, 2, 4, 8, 16):
+            for forwards in (1, 2, 4):
+                shape = StepShape(rows * (1 + forwards), 0, True, forwards, num_draft_rows=rows * forwards)
+                model.observe(shape, cost(shape))
+    assert model.draft_row_cost == pytest.approx(0.02, rel=0.2)
+    for streams, drafts in ((1, True), (16, False)):
+        policy = SpecPolicy(SpecConfig(num_speculative_tokens=4), Drafting("draft_model"), cost=model)
+        batch = [req(f"r{i}") for i in range(streams)]
+        for r in batch:
+            policy.observe(r, 4, 2)  # alpha ~ 0.6
+        assert (sum(decide(policy, batch)) > 0) == drafts
