@@ -9,6 +9,7 @@ import uuid
 import httpx
 import pytest
 
+from tests.support.metrics import wait_idle
 from tests.support.server import finish_server, serve_args, start_server
 
 KEYS = {"alpha": "key-alpha-0123", "beta": "key-beta-4567"}
@@ -47,6 +48,9 @@ def complete(server, tenant: str, prompt: str, **fields) -> tuple[str, int, int]
                 accepted += (choice.get("speculation") or {}).get("accepted_tokens", 0)
             if chunk.get("usage"):
                 cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # The stream ends with the last token; the engine files the finished output into the tenant's
+    # suffix cache at its next step. Wait for that, so the next request sees it.
+    wait_idle(server.url, headers)
     return text, cached, accepted
 
 
