@@ -59,3 +59,15 @@ def test_fields_at_their_bounds_are_accepted():
 def test_user_is_not_a_request_tenant():
     # The tenant comes from the credential (server.auth); the body has no say in it.
     assert not hasattr(chat(user="alice"), "tenant")
+
+
+def test_a_lone_surrogate_is_found_with_its_path_among_token_ids_and_nesting():
+    from server.protocol import find_invalid_text
+
+    assert find_invalid_text({"model": "m", "prompt": [0] * 100_000}) == (False, None)
+    assert find_invalid_text({"prompt": [1, 2, "\ud800"]}) == (True, "prompt[2]")
+    assert find_invalid_text({"prompt": [[1, 2], [3, "\udc00"]]}) == (True, "prompt[1][1]")
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]}
+    assert find_invalid_text(body) == (True, "messages[0].content[0].text")
+    assert find_invalid_text({"a\ud800": 1}) == (True, None)  # a key: the body itself is named
+    assert find_invalid_text({"logit_bias": {"5": 1.0}, "stop": ["x", None]}) == (False, None)
