@@ -38,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from models.catalogue import cache_dir_from_env
 from tests.support.metrics import Metrics
 from tests.support.server import ServerError, SpecdServer
 
@@ -235,29 +236,37 @@ class Peer:
 
 
 def start_peers(args: argparse.Namespace, out_dir: Path) -> list[Peer]:
-    """The peer servers `args` asks for, started (not yet ready)."""
+    """The peer servers `args` asks for, started (not yet ready); with `--install-peers`, their
+    environments built first where no python was given."""
+    if args.install_peers:
+        root = cache_dir_from_env() / "peers"
+        if "vllm" in args.peer and not args.peer_python:
+            args.peer_python = str(install_peer("vllm", root))
+        if "llamacpp" in args.peer and not args.llamacpp_python:
+            args.llamacpp_python = str(install_peer("llamacpp", root))
     peers: list[Peer] = []
     if "transformers" in args.peer:
         peers.append(Peer("transformers", TransformersServe(args, out_dir / "peer-transformers.log")))
     if "llamacpp" in args.peer:
-        speculating = "on" in args.modes or "auto" in args.modes
-        for k in [0, *(args.peer_lookup_k if speculating else [])]:
-            if k or "off" in args.modes:
-                mode = f"llamacpp-lookup-k{k}" if k else "llamacpp"
-                peers.append(Peer(mode, LlamaCppServe(args, out_dir / f"peer-{mode}.log", k)))
+        for k in draft_lengths(args, args.peer_lookup_k):
+            mode = f"llamacpp-lookup-k{k}" if k else "llamacpp"
+            peers.append(Peer(mode, LlamaCppServe(args, out_dir / f"peer-{mode}.log", k)))
     if "vllm" in args.peer:
         peers += _start_vllm(args, out_dir)
     return peers
 
 
+def draft_lengths(args: argparse.Namespace, lengths: list[int]) -> list[int]:
+    """A peer's servers by draft length: 0 (plain) beside `off`, and each of `lengths` beside `on`
+    or `auto` (no specd mode speculating: nothing to set a speculating peer beside)."""
+    speculating = "on" in args.modes or "auto" in args.modes
+    return ([0] if "off" in args.modes else []) + (list(lengths) if speculating else [])
+
+
 def _start_vllm(args: argparse.Namespace, out_dir: Path) -> list[Peer]:
     peers = []
-    for k in [0, *args.peer_ngram_k]:
+    for k in draft_lengths(args, args.peer_ngram_k):
         mode = f"vllm-ngram-k{k}" if k else "vllm"
-        if k and "on" not in args.modes and "auto" not in args.modes:
-            continue  # no specd mode speculates: nothing to set n-gram peers beside
-        if not k and "off" not in args.modes:
-            continue
         peers.append(Peer(mode, VllmServe(args, out_dir / f"peer-{mode}.log", k)))
         if len(peers) == 1:
             # The first start compiles the model (minutes on 2 cores) into vLLM's cache; the

@@ -59,7 +59,7 @@ from urllib.parse import urlparse
 import httpx
 
 from benchmarks.lengths import max_tokens_for
-from benchmarks.peers import PEERS, Peer, install_peer, scrape_peer, start_peers, wait_peer_idle
+from benchmarks.peers import PEERS, Peer, scrape_peer, start_peers, wait_peer_idle
 from benchmarks.serve_client import (
     MODES,
     Prompt,
@@ -69,7 +69,6 @@ from benchmarks.serve_client import (
     timed_send,
 )
 from benchmarks.serve_report import plot, plot_title, progress_line, summarize, write_report
-from models.catalogue import cache_dir_from_env
 from tests.support.metrics import Metrics, wait_idle
 from tests.support.server import ServerError, SpecdServer, serve_args
 
@@ -400,15 +399,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--length-range-ratio must be in [0, 1)")
     if unknown := set(args.peer) - set(PEERS):
         p.error(f"--peer: unknown engines {sorted(unknown)} (known: {', '.join(PEERS)})")
-    if args.install_peers:
-        root = cache_dir_from_env() / "peers"
-        if "vllm" in args.peer and not args.peer_python:
-            args.peer_python = str(install_peer("vllm", root))
-        if "llamacpp" in args.peer and not args.llamacpp_python:
-            args.llamacpp_python = str(install_peer("llamacpp", root))
-    if "vllm" in args.peer and not args.peer_python:
+    if "vllm" in args.peer and not (args.peer_python or args.install_peers):
         p.error("--peer vllm needs --peer-python PATH (vLLM's own environment, its own torch) or --install-peers")
-    if "llamacpp" in args.peer and not args.llamacpp_python:
+    if "llamacpp" in args.peer and not (args.llamacpp_python or args.install_peers):
         p.error("--peer llamacpp needs --llamacpp-python PATH or --install-peers")
     if args.peer_ngram_k and "vllm" not in args.peer:
         p.error("--peer-ngram-k needs --peer vllm")
