@@ -217,13 +217,15 @@ class SpecPolicy:
             added = cost.added_tokens_costs(tokens, len(order)) + logits_cost * m if cost.is_fitted else 0.02 * m
             # A device proposer runs one more forward for each position past its longest draft so far,
             # and each of its draft tokens is one more row of a forward.
-            drafted, positions, longest, device_rows = [0] * len(requests), draft_positions, [], []
+            drafted, positions, longest = [0] * len(requests), draft_positions, []
+            rows, device_rows = 0, []
             for _, i in order:
                 if on_device[i]:
                     drafted[i] += 1
                     positions = max(positions, drafted[i])
+                    rows += 1
                 longest.append(positions)
-                device_rows.append(sum(drafted))
+                device_rows.append(rows)
             forwards = draft_cost * (np.array(longest, dtype=np.float64) - draft_positions)
             forwards += row_cost * np.array(device_rows, dtype=np.float64)
             totals = seconds + added + forwards + (0.0 if already_spec else spec_cost)
