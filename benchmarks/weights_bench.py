@@ -28,12 +28,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import table
+from benchmarks.common import chat_ids, engine_run, table
 from benchmarks.public_sets import SOLUTIONS, read
 from models.forward import lean_forward
 from models.linear_kernels import QUANTIZED
 from models.loader import LoadedModel, ModelConfig, load_model
 from models.weights import WEIGHTS
+from speculation.config import ProposerConfig
+from worker.builder import build_runner
+from worker.runner import RunnerConfig
 
 
 @torch.inference_mode()
@@ -97,25 +100,11 @@ def bandwidth() -> float:
 
 def decode_seconds(loaded: LoadedModel, tokens: int) -> float:
     """Seconds per plain decode step at batch 1."""
-    from models.chat_template import chat_text
-    from scheduler.offline import run_offline
-    from scheduler.scheduler import SchedulerConfig
-    from scheduler.types import Request, SamplingParams
-    from speculation.config import ProposerConfig
-    from worker.builder import build_runner
-    from worker.runner import RunnerConfig
-
+    prompt = [chat_ids(loaded, "Write a quicksort in Python.")]
     runner = build_runner(loaded, RunnerConfig(max_num_seqs=1, max_model_len=1024), ProposerConfig("none"))
-    tokenizer = loaded.tokenizer
-    prompt = tokenizer.encode(chat_text(tokenizer, [{"role": "user", "content": "Write a quicksort in Python."}]),
-                              add_special_tokens=False)  # fmt: skip
-    config = SchedulerConfig(max_num_seqs=1, max_model_len=1024)
 
     def run(n: int) -> float:
-        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, speculation=False)
-        started = time.perf_counter()
-        run_offline(runner, config, [Request(f"r{n}", list(prompt), params)])
-        return time.perf_counter() - started
+        return engine_run(loaded, prompt, n, speculation=False, runner=runner).seconds
 
     run(4)  # warm up
     short, long = min(run(8) for _ in range(2)), min(run(8 + tokens) for _ in range(2))

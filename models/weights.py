@@ -28,7 +28,7 @@ from models.quantized import INT4, INT8, quantize
 logger = logging.getLogger("specd.models")
 
 WEIGHTS = ("auto", "bf16", "int8", "int4")
-DENSE = "bf16"
+BF16 = "bf16"  # every weight dense, in the served dtype
 
 # GGUF tensor types by the torch format nearest their bits per weight.
 _GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS",
@@ -82,7 +82,7 @@ def plan_for(choice: str, model: Any, gguf_path: Path | None, device: torch.devi
     """The plan `--weights choice` means for `model` (loaded from `gguf_path`, if from a GGUF)."""
     if choice not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}; got {choice!r}")
-    if choice == DENSE or (choice == "auto" and gguf_path is None):
+    if choice == BF16 or (choice == "auto" and gguf_path is None):
         return {}
     if device.type != "cpu":
         logger.warning("--weights %s: the weight-only kernels are CPU-only here; serving dense weights", choice)
