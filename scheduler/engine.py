@@ -133,7 +133,7 @@ class AsyncEngine:
         self.scheduler.add(request)
         stream = RequestStream(request, self.abort)
         self._streams[request.request_id] = stream
-        self.recorder.arrived(request.request_id)
+        self.recorder.arrived(request.request_id, structured=request.constraint is not None)
         self._wakeup.set()
         return stream
 

@@ -115,6 +115,10 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "specd_kv_blocks_capacity": ("gauge", ()),
     "specd_spec_enabled": ("gauge", ()),
     "specd_proposer_cache_nodes": ("gauge", ()),
+    "specd_structured_requests_total": ("counter", ("finish_reason",)),
+    "specd_grammar_compile_seconds": ("histogram", ()),
+    "specd_grammar_mask_seconds": ("histogram", ()),
+    "specd_grammar_cut_draft_tokens_total": ("counter", ()),
 }
 
 # The model-server protocol routers read (the Kubernetes Gateway API Inference Extension's
@@ -167,6 +171,20 @@ class MetricsObserver:
             return Gauge(name, doc, ("model",), registry=self.registry)
 
         self._requests = counter("specd_requests", "Finished requests.", "finish_reason")
+        self._structured = counter(
+            "specd_structured_requests",
+            "Finished requests under a grammar (structured outputs, tools).",
+            "finish_reason",
+        )
+        self._grammar_compile = histogram(
+            "specd_grammar_compile_seconds", "Time to compile and check a request's grammar (cache misses)."
+        )
+        self._grammar_mask = histogram(
+            "specd_grammar_mask_seconds", "Time a step spent computing its grammar rows' token masks."
+        )
+        self._grammar_cut = counter(
+            "specd_grammar_cut_draft_tokens", "Draft tokens cut before verification because the grammar refused them."
+        )
         self._prompt_tokens = counter("specd_prompt_tokens", "Prompt tokens prefilled.")
         self._generation_tokens = counter("specd_generation_tokens", "Tokens generated.")
         self._num_drafts = counter("specd_spec_decode_num_drafts", "Verify rows that carried a draft.", "method")
@@ -271,10 +289,13 @@ class MetricsObserver:
         model = self.model_name
         for reason in FinishReason:
             self._requests.labels(model, reason.value)
+            self._structured.labels(model, reason.value)
         for counter in (self._prompt_tokens, self._generation_tokens, self._predicted, self._observed,
                         self._expected_tokens, self._emitted_tokens, self._cache_queries, self._cache_hits,
-                        self._preemptions):  # fmt: skip
+                        self._preemptions, self._grammar_cut):  # fmt: skip
             counter.labels(model)
+        self._grammar_compile.labels(model)
+        self._grammar_mask.labels(model)
         for method in spec_methods:
             for counter in (self._num_drafts, self._num_draft_tokens, self._num_accepted_tokens):
                 counter.labels(model, method)
@@ -324,6 +345,9 @@ class MetricsObserver:
         self._spec_enabled.labels(model).set(1 if stats.mode == "spec" else 0)
         if stats.proposer_cache_nodes is not None:
             self._cache_nodes.labels(model).set(stats.proposer_cache_nodes)
+        if stats.grammar_mask_seconds is not None:
+            self._grammar_mask.labels(model).observe(stats.grammar_mask_seconds)
+        self._grammar_cut.labels(model).inc(stats.grammar_cut_tokens)
         self.set_queue_state(stats.queue)
         self._cache_queries.labels(model).inc(stats.prefix_cache_queries)
         self._cache_hits.labels(model).inc(stats.prefix_cache_hits)
@@ -372,11 +396,16 @@ class MetricsObserver:
         """Record a finished request: its finish reason, e2e latency and TPOT."""
         model = self.model_name
         self._requests.labels(model, FinishReason(finished.finish_reason).value).inc()
+        if finished.structured:
+            self._structured.labels(model, FinishReason(finished.finish_reason).value).inc()
         self._e2e.labels(model).observe(finished.e2e_seconds)
         ttft = finished.ttft_seconds
         if ttft is not None and finished.num_output_tokens > 1:
             tpot = (finished.e2e_seconds - ttft) / (finished.num_output_tokens - 1)
             self._tpot.labels(model).observe(max(tpot, 0.0))
+
+    def observe_grammar_compile(self, seconds: float) -> None:
+        self._grammar_compile.labels(self.model_name).observe(seconds)
 
     def set_queue_state(self, queue: QueueState) -> None:
         """Scheduler gauges; also callable between steps (e.g. when idle)."""

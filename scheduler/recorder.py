@@ -42,6 +42,7 @@ __all__ = ["StepRecorder"]
 @dataclass
 class _Timing:
     arrival: float
+    structured: bool = False  # under a grammar (structured outputs, tool calls)
     first_token: float | None = None
     last_emit: float | None = None
 
@@ -63,8 +64,8 @@ class StepRecorder:
         """Requests whose timing is still held (arrived, not yet finished)."""
         return len(self._timing)
 
-    def arrived(self, request_id: str) -> None:
-        self._timing[request_id] = _Timing(arrival=time.monotonic())
+    def arrived(self, request_id: str, structured: bool = False) -> None:
+        self._timing[request_id] = _Timing(arrival=time.monotonic(), structured=structured)
 
     def published(self, outputs: list[RequestOutput]) -> None:
         """Outputs just sent down their streams: time first tokens, gaps and finishes."""
@@ -91,6 +92,7 @@ class StepRecorder:
                         ttft_seconds=None if timing.first_token is None else timing.first_token - timing.arrival,
                         num_prompt_tokens=out.num_prompt_tokens,
                         num_output_tokens=out.num_output_tokens,
+                        structured=timing.structured,
                     )
                 )
 
@@ -126,6 +128,8 @@ class StepRecorder:
         stats.accepted_per_position = output.accepted_per_position
         stats.phase_seconds = output.phase_seconds
         stats.proposer_cache_nodes = output.proposer_cache_nodes
+        stats.grammar_mask_seconds = output.grammar_mask_seconds
+        stats.grammar_cut_tokens = output.grammar_cut_tokens
         stats.plan = plan
         if plan is not None and plan.probes_graded:
             stats.probes = {self.scheduler.drafting.method: (plan.probes_graded, plan.probes_accepted)}

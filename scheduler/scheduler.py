@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from scheduler.kv_blocks import BlockPool, block_key, blocks_for
 from scheduler.types import (
+    MAX_SPEC_TOKENS,
     Batch,
     FinishReason,
     InvalidRequestError,
@@ -35,10 +36,12 @@ from scheduler.types import (
     ScheduledRow,
     StepOutput,
     StepPlan,
+    TokenConstraint,
 )
 from speculation import registry
 from speculation.config import SpecConfig
 from speculation.cost_model import StepShape, step_shape
+from speculation.grammar import forces as grammar_forces
 from speculation.policy import SpecPolicy
 from speculation.proposer import Drafting
 
@@ -223,6 +226,15 @@ class Scheduler:
                 budget -= len(prefills[-1].token_ids)
 
         caps = [self._draft_cap(r) for r in decoding]
+        # Rows whose grammar forces their next tokens draft exactly those (free, and certain under
+        # the mask), ahead of the policy, which plans the other rows with the budget left.
+        forced = [0] * len(decoding)
+        for i, request in enumerate(decoding):
+            if caps[i] and budget > 0 and grammar_forces(request):
+                assert request.constraint is not None
+                forced[i] = min(len(request.constraint.forced()), caps[i], MAX_SPEC_TOKENS, budget)
+                budget -= forced[i]
+                caps[i] = 0
         prefill = StepShape(
             num_tokens=sum(len(p.token_ids) for p in prefills),
             num_context=sum(p.start_pos + len(p.token_ids) for p in prefills),
@@ -237,6 +249,7 @@ class Scheduler:
         lookup_rows = plan.lookup_rows if plan else frozenset()
         probe_rows = plan.probe_rows if plan else frozenset()
         for i, (request, k) in enumerate(zip(decoding, ks)):
+            k = k or forced[i]
             lookup = i in lookup_rows
             if k and not self._grow(request, request.num_computed_tokens + 1 + k):
                 # No blocks for every draft: draft what the request's blocks hold (never preempt for drafts).
@@ -420,14 +433,17 @@ class Scheduler:
             return
         request.num_draft_tokens += out.num_draft_tokens
         request.num_accepted_tokens += out.num_accepted_tokens
+        if out.method == registry.GRAMMAR.name:  # forced by the grammar: nothing for the policy to learn
+            return
         if request.prediction_ids is not None:  # Predicted Outputs drafted the row (usage reports them)
             request.num_prediction_accepted += out.num_accepted_tokens
             request.num_prediction_rejected += out.num_draft_tokens - out.num_accepted_tokens
         self.policy.observe(request, out.num_draft_tokens, out.num_accepted_tokens, out.method)
 
     def _append(self, request: Request, token_ids: list[int]) -> tuple[list[int], int | None]:
-        """Append tokens up to a stop token or max_tokens; finish the request if one is hit."""
-        params, stops = request.params, request.stop_ids
+        """Append tokens up to a stop token, max_tokens or the end of the request's grammar;
+        finish the request if one is hit."""
+        params, stops, constraint = request.params, request.stop_ids, request.constraint
         new_ids: list[int] = []
         for token_id in token_ids:
             if token_id in stops:
@@ -435,10 +451,25 @@ class Scheduler:
                 return new_ids, token_id
             request.output_ids.append(token_id)
             new_ids.append(token_id)
+            if constraint is not None and not self._advance_grammar(request, constraint, token_id):
+                break
             if len(request.output_ids) >= params.max_tokens:
                 self._finish(request, FinishReason.LENGTH)
                 break
         return new_ids, None
+
+    def _advance_grammar(self, request: Request, constraint: TokenConstraint, token_id: int) -> bool:
+        """The grammar sees emitted tokens only; False when it ended the request. A complete
+        output ends it (end of sequence is all it could add); a token the grammar refuses (its
+        limits, or a masking fault) ends it with the grammar's reason."""
+        if not constraint.advance([token_id]):
+            request.error = f"the grammar could not go on: {constraint.error or 'it refused a token'}"
+            self._finish(request, FinishReason.ERROR)
+            return False
+        if constraint.is_done:
+            self._finish(request, FinishReason.STOP)
+            return False
+        return True
 
     def _apply_aborts(self) -> list[RequestOutput]:
         outputs = []

@@ -10,7 +10,7 @@ import enum
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 SpeculationMode = Literal["auto", True, False]
 
@@ -32,6 +32,28 @@ class InvalidRequestError(ValueError):
         self.message = message
         self.param = param
         self.code = code
+
+
+class TokenConstraint(Protocol):
+    """What the engine asks of a request's grammar (`models.grammar.GrammarState`): the scheduler
+    advances it by emitted tokens only; speculation reads it without committing anything."""
+
+    @property
+    def is_done(self) -> bool:
+        """Nothing but end-of-sequence can follow."""
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar can go no further (its limits, a refused token); None while it can."""
+
+    def advance(self, token_ids: list[int]) -> bool:
+        """Commit emitted tokens; False if the grammar refuses one."""
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar allows as the only continuation from here."""
+
+    def accepts(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the grammar allows from here."""
 
 
 @dataclass
@@ -158,6 +180,8 @@ class Request:
     # `cache_salt` when the request gives one.
     tenant: str = ""
     cache_salt: str | None = None
+    # Structured outputs: every token the request emits obeys this grammar (None: free text).
+    constraint: TokenConstraint | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     # -- scheduler state --
@@ -282,8 +306,8 @@ class RowOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     # Proposer that drafted for this row this step: "ngram", "suffix", "draft_model",
-    # "eagle", "prediction" ("ngram" beside a device proposer: a lookup row); None when
-    # the row did not speculate.
+    # "eagle", "prediction", "grammar" (tokens its grammar forces) ("ngram" beside a device
+    # proposer: a lookup row); None when the row did not speculate.
     method: str | None = None
     error: str | None = None
     # The shadow draft asked for by `ScheduledRow.num_shadow_tokens` (not verified).
@@ -305,6 +329,10 @@ class StepOutput:
     accepted_per_position: list[int] = field(default_factory=list)
     # Entries the proposer keeps across requests (`Proposer.cache_nodes`; None: it keeps none).
     proposer_cache_nodes: int | None = None
+    # Structured outputs: seconds the step's grammar masks took (None: no row had a grammar),
+    # and draft tokens cut because a row's grammar refused them.
+    grammar_mask_seconds: float | None = None
+    grammar_cut_tokens: int = 0
 
 
 @dataclass
@@ -345,6 +373,7 @@ class FinishedRequestStats:
     ttft_seconds: float | None
     num_prompt_tokens: int
     num_output_tokens: int
+    structured: bool = False  # it ran under a grammar
 
 
 @dataclass
@@ -408,6 +437,8 @@ class StepStats:
     accepted_per_position: list[int] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     proposer_cache_nodes: int | None = None  # see StepOutput
+    grammar_mask_seconds: float | None = None  # see StepOutput
+    grammar_cut_tokens: int = 0
     plan: StepPlan | None = None  # the policy's plan for the step, with what it emitted
     # Probes graded this step (a draft model's or head's one unverified token for a row that
     # ran plain), by proposer method: (graded, accepted). A sampled row's probe counts its

@@ -196,6 +196,8 @@ class AppState:
             else None,
             max_request_spec_tokens=settings.max_request_speculative_tokens,
             forced_speculation=settings.forced_speculation,
+            eos_token_ids=list(loaded.eos_token_ids),
+            on_grammar_compiled=self.metrics.observe_grammar_compile,
         )
         logger.info(
             "ready: serving %s as %s (max_model_len=%d, max_num_seqs=%d)",

@@ -134,6 +134,9 @@ class SamplingFields(OpenAIRequest):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured outputs (`server.structured_outputs`): OpenAI's field, and vLLM's.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -164,10 +167,44 @@ class ContentPart(OpenAIRequest):
 ContentParts = Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)]
 
 
+class FunctionCall(OpenAIRequest):
+    name: str = Field(max_length=MAX_ID_CHARS)
+    arguments: str | dict[str, Any] = "{}"  # JSON text, as OpenAI sends it (an object: as some clients do)
+
+
+class MessageToolCall(OpenAIRequest):
+    id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIRequest):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | ContentParts | None = None
     name: str | None = Field(None, max_length=MAX_ID_CHARS)
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_TOOLS)  # an assistant's
+    tool_call_id: str | None = Field(None, max_length=MAX_ID_CHARS)  # a tool's reply to it
+
+
+class FunctionDefinition(OpenAIRequest):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: any object
+    strict: bool | None = None  # accepted; `required` and named calls are always enforced
+
+
+class ToolDefinition(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIRequest):
+    name: str = Field(max_length=MAX_ID_CHARS)
+
+
+class NamedToolChoice(OpenAIRequest):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class Prediction(OpenAIRequest):
@@ -185,8 +222,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     prediction: Prediction | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = Field(None, max_length=MAX_TOOLS)  # refused, but parsed first
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # -- extensions --
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -269,9 +307,21 @@ class ChoiceLogprobs(OpenAIResponse):
     content: list[TokenLogprob]
 
 
+class ResponseFunction(OpenAIResponse):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(OpenAIResponse):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class AssistantMessage(OpenAIResponse):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIResponse):
@@ -308,9 +358,24 @@ class ChunkSpeculation(OpenAIResponse):
     speculative_steps: int  # of them, steps that verified drafts
 
 
+class DeltaFunction(OpenAIResponse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIResponse):
+    """A streamed tool call: its first delta has id, type and name, the next its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class DeltaMessage(OpenAIResponse):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(OpenAIResponse):

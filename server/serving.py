@@ -19,10 +19,12 @@ from typing import Any, TypeVar
 from fastapi import Request as HTTPRequest
 
 from scheduler.engine import AsyncEngine, RequestStream
-from scheduler.types import MAX_LOGIT_BIAS, MAX_SPEC_TOKENS, Request, SamplingParams
+from scheduler.types import MAX_LOGIT_BIAS, MAX_SPEC_TOKENS, Request, SamplingParams, TokenConstraint
+from server import structured_outputs
 from server.detokenizer import TokenTexts
 from server.errors import APIError, BadRequestError, NotFoundError
 from server.protocol import SamplingFields
+from server.structured_outputs import GrammarCompiler, GrammarSource
 from server.traffic import TrafficLog
 
 SEED_MASK = 2**63 - 1
@@ -45,6 +47,8 @@ class ServingContext:
     traffic: TrafficLog | None = None  # --record-traffic
     max_request_spec_tokens: int = MAX_SPEC_TOKENS  # --max-request-speculative-tokens
     forced_speculation: bool = True  # --forced-speculation: honour speculation=true
+    eos_token_ids: list[int] = field(default_factory=list)  # what a finished grammar allows
+    on_grammar_compiled: Callable[[float], None] | None = None  # seconds per compile (a metric)
     token_texts: TokenTexts = field(init=False)
     # The longest text one token stands for: a prompt longer than max_model_len times this many
     # characters cannot fit, and is refused before anything tokenizes it.
@@ -52,11 +56,15 @@ class ServingContext:
     # Chat templates and tokenizing run here, not on the event loop: one thread, since a fast
     # tokenizer shared across threads can refuse a concurrent call ("Already borrowed").
     prep: ThreadPoolExecutor = field(init=False)
+    grammars: GrammarCompiler = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_texts = TokenTexts(self.tokenizer)
         self.max_token_chars = max_token_chars(self.tokenizer)
         self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-prep")
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.eos_token_ids, self.vocab_size, on_compiled=self.on_grammar_compiled
+        )
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the preparation thread."""
@@ -161,6 +169,18 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise BadRequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param=param)
 
 
+def grammar_source(req: SamplingFields) -> GrammarSource | None:
+    """The grammar the request's `response_format` or `structured_outputs` asks for (400 when
+    both are given, or either is malformed); None for free text."""
+    from_format = structured_outputs.from_response_format(req.response_format)
+    from_fields = structured_outputs.from_structured_outputs(req.structured_outputs)
+    if from_format is not None and from_fields is not None:
+        raise BadRequestError(
+            "give either 'response_format' or 'structured_outputs', not both", param="structured_outputs"
+        )
+    return from_format or from_fields
+
+
 def check_stream_options(req: SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise BadRequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
@@ -177,13 +197,21 @@ def submit_all(
     prediction_ids: list[int] | None = None,
     tenant: str = "",
     cache_salt: str | None = None,
+    constraints: list[TokenConstraint] | None = None,
 ) -> list[RequestStream]:
-    """Queue one engine request per choice; all or none (a refusal aborts the ones queued)."""
+    """Queue one engine request per choice; all or none (a refusal aborts the ones queued).
+    `constraints`: each choice's grammar (structured outputs)."""
     streams: list[RequestStream] = []
     try:
         for i, (prompt_ids, p) in enumerate(zip(prompts, params)):
             request = Request(
-                f"{request_id}-{i}", prompt_ids, p, prediction_ids=prediction_ids, tenant=tenant, cache_salt=cache_salt
+                f"{request_id}-{i}",
+                prompt_ids,
+                p,
+                prediction_ids=prediction_ids,
+                tenant=tenant,
+                cache_salt=cache_salt,
+                constraint=constraints[i] if constraints is not None else None,
             )
             streams.append(ctx.engine.submit(request))
     except Exception:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 from jinja2 import TemplateError
 
 from models.chat_template import chat_text
-from scheduler.types import InvalidRequestError
+from scheduler.types import InvalidRequestError, TokenConstraint
 from server.choices import (
     Choice,
     ChoiceUpdate,
@@ -33,8 +36,13 @@ from server.protocol import (
     ChatCompletionResponse,
     ChoiceLogprobs,
     ContentPart,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
+    NamedToolChoice,
+    ResponseFunction,
     ResponseHead,
+    ResponseToolCall,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -44,10 +52,13 @@ from server.serving import (
     ServingContext,
     aborted_on_error,
     check_stream_options,
+    grammar_source,
     sampling_params,
     submit_all,
     until_disconnected,
 )
+from server.structured_outputs import GrammarSource
+from server.tool_calls import CALL_OPEN, ToolCall, ToolCallParser, tool_grammar
 
 logger = logging.getLogger("specd.server")
 
@@ -70,15 +81,64 @@ def content_text(content: str | list[ContentPart] | None, param: str) -> str:
     return "\n".join(texts)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The messages as the chat template gets them: roles and plain text."""
-    return [
-        {
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template gets them: roles, plain text, and the tool calls an
+    assistant made (arguments as objects, as templates write them) or the call a tool answers."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        message: dict[str, Any] = {
             "role": "system" if m.role == "developer" else m.role,
             "content": content_text(m.content, f"messages[{i}].content"),
         }
-        for i, m in enumerate(req.messages)
-    ]
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in m.tool_calls
+            ]  # fmt: skip
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None and m.role == "tool":
+            message["name"] = m.name
+        messages.append(message)
+    return messages
+
+
+def _arguments(arguments: str | dict[str, Any]) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # as the client sent it
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a request's `tools` and `tool_choice` ask: the functions the template is shown, and
+    whether the reply is read for tool calls."""
+
+    functions: list[dict[str, Any]]
+    parse: bool  # tool_choice auto, required or named: tool calls are read out of the text
+    required: list[dict[str, Any]] | None  # functions the grammar forces a call of (required, named)
+
+
+def tool_use(req: ChatCompletionRequest) -> ToolUse | None:
+    if not req.tools:
+        if req.tool_choice not in (None, "none"):
+            raise BadRequestError("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    functions = [t.function.model_dump(exclude_none=True) for t in req.tools]
+    choice = req.tool_choice or "auto"
+    if isinstance(choice, NamedToolChoice):
+        named = [f for f in functions if f["name"] == choice.function.name]
+        if not named:
+            raise BadRequestError(
+                f"'tool_choice' names the function '{choice.function.name}', which 'tools' does not declare",
+                param="tool_choice.function.name",
+            )
+        return ToolUse(functions, True, named)
+    return ToolUse(functions, choice != "none", functions if choice == "required" else None)
 
 
 # apply_chat_template's own arguments: what chat_template_kwargs may not override.
@@ -89,7 +149,7 @@ RENDER_ARGUMENTS = frozenset(
 )  # fmt: skip
 
 
-def render_prompt(ctx: ServingContext, req: ChatCompletionRequest, messages: list[dict[str, str]]) -> list[int]:
+def render_prompt(ctx: ServingContext, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> list[int]:
     if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
         raise BadRequestError(
             "'continue_final_message' needs 'add_generation_prompt': false and a final assistant message",
@@ -108,6 +168,9 @@ def render_prompt(ctx: ServingContext, req: ChatCompletionRequest, messages: lis
             messages,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
+            tools=[{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools]
+            if req.tools
+            else None,
             **(req.chat_template_kwargs or {}),
         )
     except TemplateError as exc:  # a template that rejects these messages (jinja's raise_exception): its words
@@ -119,13 +182,30 @@ def render_prompt(ctx: ServingContext, req: ChatCompletionRequest, messages: lis
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+@dataclass
+class Prepared:
+    """A chat request's work done on the preparation thread."""
+
+    prompt_ids: list[int]
+    prediction_ids: list[int] | None
+    constraints: list[TokenConstraint] | None  # one grammar state per choice
+
+
 def prepare(
-    ctx: ServingContext, req: ChatCompletionRequest, messages: list[dict[str, str]], predicted: str | None
-) -> tuple[list[int], list[int] | None]:
-    """The prompt's and the prediction's token ids (run on the preparation thread)."""
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    messages: list[dict[str, Any]],
+    predicted: str | None,
+    grammar: GrammarSource | None,
+) -> Prepared:
+    """The prompt's and the prediction's token ids, and each choice's grammar (run on the
+    preparation thread)."""
+    constraints: list[TokenConstraint] | None = None
+    if grammar is not None:  # first: a bad grammar is refused before the prompt is rendered
+        constraints = list(ctx.grammars.states(grammar, req.n))
     prompt_ids = render_prompt(ctx, req, messages)
     if predicted is None:
-        return prompt_ids, None
+        return Prepared(prompt_ids, None, constraints)
     prediction_ids = ctx.tokenizer.encode(predicted, add_special_tokens=False) or None
     if prediction_ids is not None and len(prediction_ids) > ctx.max_model_len:
         raise BadRequestError(
@@ -134,16 +214,25 @@ def prepare(
             param="prediction.content",
             code="prediction_too_long",
         )
-    return prompt_ids, prediction_ids
+    return Prepared(prompt_ids, prediction_ids, constraints)
 
 
 def check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise BadRequestError("tools are not supported by this server", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise BadRequestError("only response_format type 'text' is supported", param="response_format")
     if req.top_logprobs and not req.logprobs:
         raise BadRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+
+
+def chat_grammar(ctx: ServingContext, req: ChatCompletionRequest, tools: ToolUse | None) -> GrammarSource | None:
+    """The grammar the reply obeys: from `response_format` / `structured_outputs`, or the tool
+    calls `tool_choice` requires (not both)."""
+    source = grammar_source(req)
+    if tools is None or tools.required is None:
+        return source
+    if source is not None:
+        raise BadRequestError(
+            "a required tool call and a response format cannot both constrain the reply", param="tool_choice"
+        )
+    return tool_grammar(tools.required, req.parallel_tool_calls, ctx.grammars.special_token(CALL_OPEN))
 
 
 def token_logprobs(ctx: ServingContext, tokens: list[TokenInfo]) -> list[TokenLogprob]:
@@ -158,7 +247,7 @@ def token_logprobs(ctx: ServingContext, tokens: list[TokenInfo]) -> list[TokenLo
     return items
 
 
-def sized_messages(ctx: ServingContext, req: ChatCompletionRequest) -> list[dict[str, str]]:
+def sized_messages(ctx: ServingContext, req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the template reads them, refused (400) if their text cannot fit the context."""
     messages = chat_messages(req)
     ctx.check_text_size(sum(len(m["content"]) for m in messages), "messages")
@@ -177,11 +266,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_model(req.model)
     check_stream_options(req)
     check_unsupported(req)
+    tools = tool_use(req)
+    grammar = chat_grammar(ctx, req, tools)
     messages = sized_messages(ctx, req)
     predicted = content_text(req.prediction.content, "prediction.content") if req.prediction is not None else None
     if predicted is not None:
         ctx.check_text_size(len(predicted), "prediction.content")
-    prompt_ids, prediction_ids = await ctx.off_loop(prepare, ctx, req, messages, predicted)
+    prepared = await ctx.off_loop(prepare, ctx, req, messages, predicted, grammar)
+    prompt_ids, prediction_ids = prepared.prompt_ids, prepared.prediction_ids
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = requested or max(1, ctx.max_model_len - len(prompt_ids))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -193,7 +285,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     tenant = request_tenant(raw.scope)
     try:
         streams = submit_all(
-            ctx, head.id, [prompt_ids] * req.n, params, prediction_ids, tenant=tenant, cache_salt=req.cache_salt
+            ctx,
+            head.id,
+            [prompt_ids] * req.n,
+            params,
+            prediction_ids,
+            tenant=tenant,
+            cache_salt=req.cache_salt,
+            constraints=prepared.constraints,
         )
     except InvalidRequestError as exc:
         if exc.param == "prompt":  # the engine sees a prompt; a chat request's prompt is its messages
@@ -203,52 +302,92 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         choices = [Choice(i, stream, ctx.tokenizer, req, prompt_ids) for i, stream in enumerate(streams)]
         on_finish = ctx.traffic.recorder(ENDPOINT, head.id, tenant, {"messages": messages}) if ctx.traffic else None
         gen = Generation(head, req, choices, record, len(prompt_ids), on_finish=on_finish)
+        parse_tools = tools is not None and tools.parse
         if req.stream:
-            return _stream(ctx, gen)
-    return await until_disconnected(raw, _complete(ctx, gen))
+            return _stream(ctx, gen, parse_tools)
+    return await until_disconnected(raw, _complete(ctx, gen, parse_tools))
 
 
-async def _complete(ctx: ServingContext, gen: Generation) -> ChatCompletionResponse:
+def _message(text: str, finish_reason: str | None, parse_tools: bool) -> tuple[AssistantMessage, str | None]:
+    """The reply as a message; with tools, the calls read out of its text (finish reason `tool_calls`)."""
+    if not parse_tools:
+        return AssistantMessage(content=text), finish_reason
+    parser = ToolCallParser()
+    content, _ = parser.push(text)
+    rest, _ = parser.finish()
+    content += rest
+    if not parser.calls:
+        return AssistantMessage(content=content), finish_reason
+    calls = [
+        ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments)) for c in parser.calls
+    ]
+    reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return AssistantMessage(content=content or None, tool_calls=calls), reason
+
+
+async def _complete(ctx: ServingContext, gen: Generation, parse_tools: bool) -> ChatCompletionResponse:
     results = await collect(gen)
-    return ChatCompletionResponse(
-        **gen.head.fields(),
-        choices=[
+    choices = []
+    for c in gen.choices:
+        result = results[c.index]
+        message, finish_reason = _message("".join(result.text), result.finish_reason, parse_tools)
+        choices.append(
             ChatChoice(
                 index=c.index,
-                message=AssistantMessage(content="".join(results[c.index].text)),
-                logprobs=ChoiceLogprobs(content=token_logprobs(ctx, results[c.index].tokens))
-                if c.want_logprobs
-                else None,
-                finish_reason=results[c.index].finish_reason,
+                message=message,
+                logprobs=ChoiceLogprobs(content=token_logprobs(ctx, result.tokens)) if c.want_logprobs else None,
+                finish_reason=finish_reason,
             )
-            for c in gen.choices
-        ],
-        usage=gen.usage(),
-    )
+        )
+    return ChatCompletionResponse(**gen.head.fields(), choices=choices, usage=gen.usage())
 
 
-def _stream(ctx: ServingContext, gen: Generation) -> SSEResponse:
+def _stream(ctx: ServingContext, gen: Generation, parse_tools: bool) -> SSEResponse:
     want_logprobs = gen.choices[0].want_logprobs
-
     chunk = chunk_encoder(ChatCompletionChunk, gen.head)
+    parsers = {c.index: ToolCallParser() for c in gen.choices} if parse_tools else {}
 
     def render(update: ChoiceUpdate | None, usage: Usage | None) -> bytes:
         if update is None:
             return chunk([], usage)
         logprobs = ChoiceLogprobs(content=token_logprobs(ctx, update.tokens)) if want_logprobs else None
-        delta = DeltaMessage(content=update.text) if update.text else DeltaMessage()
-        return chunk(
-            [
-                ChatChunkChoice(
-                    index=update.index,
-                    delta=delta,
-                    logprobs=logprobs,
-                    finish_reason=update.finish_reason,
-                    speculation=update.speculation,
-                )
-            ],
-            usage,
+        text, finish_reason = update.text, update.finish_reason
+        calls: list[ToolCall] = []
+        parser = parsers.get(update.index)
+        if parser is not None:
+            text, calls = parser.push(text)
+            if finish_reason is not None:
+                rest, more = parser.finish()
+                text, calls = text + rest, calls + more
+                if parser.calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+        # A tool call streams as OpenAI's do: a delta with its id and name, then its arguments.
+        parts = []
+        if calls:
+            assert parser is not None
+            if text:
+                parts.append(chunk([ChatChunkChoice(index=update.index, delta=DeltaMessage(content=text))], None))
+                text = ""
+            for j, call in enumerate(calls, start=len(parser.calls) - len(calls)):
+                for delta in (
+                    DeltaToolCall(
+                        index=j, id=call.id, type="function", function=DeltaFunction(name=call.name, arguments="")
+                    ),
+                    DeltaToolCall(index=j, function=DeltaFunction(arguments=call.arguments)),
+                ):
+                    parts.append(
+                        chunk([ChatChunkChoice(index=update.index, delta=DeltaMessage(tool_calls=[delta]))], None)
+                    )
+            if finish_reason is None and logprobs is None and update.speculation is None and usage is None:
+                return b"".join(parts)
+        closing = ChatChunkChoice(
+            index=update.index,
+            delta=DeltaMessage(content=text) if text else DeltaMessage(),
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            speculation=update.speculation,
         )
+        return b"".join([*parts, chunk([closing], usage)])
 
     _, continuous = stream_flags(gen.req)
     opening_usage = gen.usage() if continuous else None

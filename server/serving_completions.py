@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
+from scheduler.types import TokenConstraint
 from server.choices import (
     Choice,
     ChoiceUpdate,
@@ -37,6 +38,7 @@ from server.serving import (
     aborted_on_error,
     check_stream_options,
     check_token_ids,
+    grammar_source,
     sampling_params,
     submit_all,
     until_disconnected,
@@ -133,9 +135,15 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: HT
     prompts_given = given_prompts(req)
     check_prompt_count(prompts_given, req.n)
     check_prompt_sizes(ctx, prompts_given)
+    grammar = grammar_source(req)
+    if grammar is not None:  # compiled before the prompts are tokenized: a bad grammar costs nothing more
+        await ctx.off_loop(ctx.grammars.compile, grammar)
     prompt_ids, prompt_texts = await ctx.off_loop(tokenize_prompts, ctx, req)
     if len(prompt_ids) * req.n > MAX_CHOICES:
         raise BadRequestError(f"at most {MAX_CHOICES} sequences (prompts x n) per request", param="n")
+    constraints: list[TokenConstraint] | None = None
+    if grammar is not None:
+        constraints = list(await ctx.off_loop(ctx.grammars.states, grammar, len(prompt_ids) * req.n))
 
     prompts, params = [], []
     for ids in prompt_ids:
@@ -155,7 +163,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: HT
         num_prompt_tokens,
     )
     tenant = request_tenant(raw.scope)
-    streams = submit_all(ctx, head.id, prompts, params, tenant=tenant, cache_salt=req.cache_salt)
+    streams = submit_all(
+        ctx, head.id, prompts, params, tenant=tenant, cache_salt=req.cache_salt, constraints=constraints
+    )
     with aborted_on_error(streams):
         choices = [Choice(i, s, ctx.tokenizer, req, ids) for i, (s, ids) in enumerate(zip(streams, prompts))]
         on_finish = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from scheduler.types import MAX_SPEC_TOKENS, Draft, Request, RowOutput, ScheduledRow
+from speculation.grammar import GrammarProposer, forces
 from speculation.prediction import PredictionProposer
 from speculation.proposer import Proposer
 
@@ -27,6 +28,7 @@ class HostDrafts:
         self.proposer = proposer
         self.lookup = lookup
         self.prediction = PredictionProposer()
+        self.grammar = GrammarProposer()
 
     def free(self, request_id: str) -> None:
         self.prediction.free(request_id)
@@ -45,6 +47,13 @@ class HostDrafts:
         return self.proposer is not None and self.proposer.capabilities.on_device
 
     def proposer_for(self, request: Request) -> Proposer | None:
+        """The proposer that drafts on the host for a row: the tokens its grammar forces, else
+        the proposer that drafts ahead for it (`ahead_for`); None: no such draft."""
+        if forces(request):
+            return self.grammar
+        return self.ahead_for(request)
+
+    def ahead_for(self, request: Request) -> Proposer | None:
         """The proposer that drafts ahead for a row: its prediction, else the runner's proposer
         where it drafts ahead, else the lookup beside a device proposer; None: no such draft."""
         if request.prediction_ids:
@@ -61,7 +70,7 @@ class HostDrafts:
         model, a head, suffix decoding) keep `num_tokens`."""
         drafts = self.drafts(requests, num_tokens)
         return [
-            len(d.token_ids) if d is not None and (r.prediction_ids or self.drafts_ahead) else k
+            len(d.token_ids) if d is not None and (r.prediction_ids or self.drafts_ahead or forces(r)) else k
             for r, k, d in zip(requests, num_tokens, drafts)
         ]
 
@@ -90,25 +99,34 @@ class HostDrafts:
         return drafts
 
     # -- what the step needs (step thread) --
-    def for_step(self, rows: list[ScheduledRow], device_drafting: bool) -> tuple[list[Draft | None], list[int]]:
-        """Model-free drafts per row, and the rows a device proposer will draft for on the device."""
+    def for_step(self, rows: list[ScheduledRow], device_drafting: bool) -> tuple[list[Draft | None], list[int], int]:
+        """Model-free drafts per row, the rows a device proposer will draft for on the device,
+        and the draft tokens the rows' grammars cut.
+
+        A row under a grammar drafts on the host: the tokens its grammar forces, else its
+        host proposer's draft (beside a device proposer: prompt lookup), cut at the first
+        token the grammar refuses, so the step's masks follow drafts the grammar allows."""
         drafts: list[Draft | None] = [None] * len(rows)
         spec = [i for i, row in enumerate(rows) if row.sample and row.num_spec_tokens > 0]
         if self.on_device:
             host = [
-                i for i in spec if rows[i].request.prediction_ids or (self.lookup is not None and rows[i].use_lookup)
+                i
+                for i in spec
+                if rows[i].request.prediction_ids
+                or rows[i].request.constraint is not None
+                or (self.lookup is not None and rows[i].use_lookup)
             ]
             on_device = [i for i in spec if i not in host]
         elif self.drafts_ahead:
             host, on_device = spec, []
         else:  # a proposer that drafts for the step in hand (suffix decoding), or none
-            host = [i for i in spec if rows[i].request.prediction_ids]
-            others = [i for i in spec if not rows[i].request.prediction_ids]
+            host = [i for i in spec if rows[i].request.prediction_ids or forces(rows[i].request)]
+            others = [i for i in spec if i not in host]
             if self.proposer is not None:
                 _run(self.proposer, rows, others, drafts, [rows[i].num_spec_tokens for i in others])
             on_device = []
         self._fill(drafts, rows, host, [rows[i].num_spec_tokens for i in host])
-        return drafts, on_device if device_drafting else []
+        return drafts, on_device if device_drafting else [], _cut_to_grammar(drafts, rows)
 
     def shadows(self, rows: list[ScheduledRow]) -> dict[int, list[int]]:
         """Unverified drafts the policy asked for, to learn rows' acceptance at no verify cost: a
@@ -126,7 +144,7 @@ class HostDrafts:
         """Make each sampled row's draft for the step after this one (into `RowOutput.next_draft`),
         so the policy and the next step only read it."""
         for request, out in sampled:
-            proposer = self.proposer_for(request)
+            proposer = self.ahead_for(request)
             if proposer is None or out is None or not out.token_ids:
                 continue
             if len(request.output_ids) + len(out.token_ids) >= request.params.max_tokens:
@@ -144,6 +162,20 @@ class HostDrafts:
         for i, draft in zip(index, self.drafts([rows[i].request for i in index], k)):
             if draft is not None and draft.token_ids:
                 drafts[i] = draft
+
+
+def _cut_to_grammar(drafts: list[Draft | None], rows: list[ScheduledRow]) -> int:
+    """Cut each constrained row's draft at the first token its grammar refuses; the tokens cut."""
+    cut = 0
+    for i, draft in enumerate(drafts):
+        constraint = rows[i].request.constraint
+        if draft is None or constraint is None:
+            continue
+        n = constraint.accepts(draft.token_ids)
+        if n < len(draft.token_ids):
+            cut += len(draft.token_ids) - n
+            drafts[i] = Draft(draft.method, draft.token_ids[:n]) if n else None
+    return cut
 
 
 def _run(

@@ -82,6 +82,10 @@ PREDICTION = register(
     ProposerSpec("prediction", "speculation.prediction:PredictionProposer", Capabilities(drafts_ahead=True),
                  "OpenAI Predicted Outputs: the request's prediction", selectable=False)
 )  # fmt: skip
+GRAMMAR = register(
+    ProposerSpec("grammar", "speculation.grammar:GrammarProposer", Capabilities(),
+                 "structured outputs: the tokens a request's grammar forces", selectable=False)
+)  # fmt: skip
 register(
     ProposerSpec("suffix", "speculation.suffix:SuffixProposer", Capabilities(priced=True),
                  "suffix decoding: drafts from this request and earlier outputs of its tenant, priced by frequency")

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from models.forward import forward_step, forward_with_hidden
+from models.grammar import GrammarState, fill_masks
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, LayoutPlan
 from models.loader import LoadedModel
 from models.sampling import SamplingTensors, plan_penalty_counts
@@ -199,11 +200,13 @@ class ModelRunner:
             rows=[outputs.get(row.request_id) or RowOutput(row.request_id) for row in plan.rows],
             phase_seconds=phases,
             accepted_per_position=accepted_per_position,
+            grammar_mask_seconds=plan.grammar_mask_seconds,
+            grammar_cut_tokens=plan.grammar_cut_tokens,
         )
 
     # -- prepare: host-side drafting and the step's one upload --
     def _prepare(self, rows: list[ScheduledRow], device_drafting: bool = True) -> PreparedStep:
-        host_drafts, draft_rows = self.host.for_step(rows, device_drafting)
+        host_drafts, draft_rows, grammar_cut = self.host.for_step(rows, device_drafting)
         num_draft = [len(d.token_ids) if d else 0 for d in host_drafts]
         methods = [d.method if d else None for d in host_drafts]
         proposer = self.proposer if self.on_device and device_drafting else None
@@ -214,7 +217,11 @@ class ModelRunner:
         lens = [len(row.token_ids) + k for row, k in zip(rows, num_draft)]
         probe_rows = []
         if proposer is not None:
-            probe_rows = [i for i, row in enumerate(rows) if row.probe and row.sample and not num_draft[i]]
+            probe_rows = [
+                i
+                for i, row in enumerate(rows)
+                if row.probe and row.sample and not num_draft[i] and row.request.constraint is None
+            ]
         plan = PreparedStep(
             rows=rows,
             host_drafts=host_drafts,
@@ -228,6 +235,7 @@ class ModelRunner:
             sample_rows=[i for i, row in enumerate(rows) if row.sample],
             shadows=self.host.shadows(rows),
             probe_rows=probe_rows,
+            grammar_cut_tokens=grammar_cut,
         )
         buf = plan.buf
         if draft_rows or probe_rows:
@@ -291,10 +299,36 @@ class ModelRunner:
             buf.ints("draft_sample_rows", [position[i] for i in plan.draft_rows])
         if plan.probe_rows:
             buf.ints("probe_sample_rows", [position[i] for i in plan.probe_rows])
+        self._plan_grammar_masks(plan)
         plan_penalty_counts(requests, buf, "counts")
         nan_rows = [r for r, i in enumerate(plan.sample_rows) if self._maybe_inject_fault(rows[i], "nan")]
         if nan_rows:
             buf.ints("nan_rows", nan_rows)
+
+    @staticmethod
+    def _plan_grammar_masks(plan: PreparedStep) -> None:
+        """The token bitmask of every kept logit of a row under a grammar: at its next token and
+        after each of its drafts (which its grammar allows: `HostDrafts.for_step` cut them)."""
+        items: list[tuple[GrammarState, int, list[int]]] = []
+        rows: list[int] = []
+        kept = 0  # the row's first kept logit
+        for i in plan.sample_rows:
+            n = plan.num_draft[i] + 1
+            constraint = plan.rows[i].request.constraint
+            if constraint is not None:
+                assert isinstance(constraint, GrammarState)
+                draft = plan.host_drafts[i]
+                items.append((constraint, len(rows), draft.token_ids if draft is not None else []))
+                rows += range(kept, kept + n)
+            kept += n
+        if not items:
+            return
+        start = time.perf_counter()
+        bitmask = fill_masks(items, len(rows))
+        plan.grammar_mask_seconds = time.perf_counter() - start
+        plan.buf.ints("grammar.rows", rows)
+        plan.buf.ints("grammar.masks", bitmask)
+        plan.grammar_words = bitmask.shape[1]
 
     # -- forward --
     def _forward(self, plan: PreparedStep, arrays: DeviceArrays) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from models.grammar import apply_masks
 from models.kv_cache import LayoutPlan
 from models.sampling import (
     STREAM_ACCEPT,
@@ -59,6 +60,11 @@ class PreparedStep:
     # [P] min(1, p(x) / q(x)): the chance the rejection sampler would accept each probe's
     # token, computed where any row samples (greedy rows: 1 or 0, as equality says).
     probe_accept: torch.Tensor | None = None
+    # Rows under a grammar: their masks' words per row (0: none this step), the seconds the masks
+    # took, and the draft tokens their grammars cut.
+    grammar_words: int = 0
+    grammar_mask_seconds: float | None = None
+    grammar_cut_tokens: int = 0
     buf: HostBuffer = field(default_factory=HostBuffer)
 
     @property
@@ -76,11 +82,14 @@ def sample_step(plan: PreparedStep, arrays: DeviceArrays, logits: torch.Tensor) 
     rows, n_max, vocab = plan.rows, plan.n_max, logits.shape[-1]
     requests = [rows[i].request for i in plan.sample_rows]
     num_rows, device = len(requests), logits.device
+    finite = _row_finite(arrays, all_finite(logits), num_rows, n_max)  # before masks put -inf in
+    if plan.grammar_words:
+        apply_masks(logits, arrays["grammar.rows"], arrays["grammar.masks"].view(-1, plan.grammar_words))
     st = SamplingTensors.resolve([r.params for r in requests], vocab, arrays, "s")
     want_logprobs = any(r.params.logprobs is not None for r in requests)
     argmax_only = st.all_greedy and not (st.has_penalties or st.has_logit_bias or want_logprobs)
     if n_max > 1 and argmax_only and "nan_rows" not in arrays:
-        return _verify_greedy_packed(plan, arrays, logits)
+        return _verify_greedy_packed(plan, arrays, logits, finite)
     if not argmax_only:  # probabilities, penalties and logprobs are computed in float32
         logits = logits.float()
     if n_max == 1:
@@ -117,7 +126,8 @@ def sample_step(plan: PreparedStep, arrays: DeviceArrays, logits: torch.Tensor) 
             assert draft_ids is not None
             q = _draft_probs(plan, arrays, draft_ids, num_draft, vocab)
             num_accepted, token_ids = rejection_sample(draft_ids, num_draft, q, probs, u_accept, u_sample)
-    finite = all_finite(grid.flatten(1))
+    if "nan_rows" in arrays:
+        finite[arrays["nan_rows"]] = False
     results = [torch.cat([finite[:, None].long(), num_accepted[:, None], token_ids], dim=1)]
     top_n = max((r.params.logprobs or 0 for r in requests), default=0)
     if want_logprobs:
@@ -127,7 +137,9 @@ def sample_step(plan: PreparedStep, arrays: DeviceArrays, logits: torch.Tensor) 
     return _outputs(plan, host, want_logprobs)
 
 
-def _verify_greedy_packed(plan: PreparedStep, arrays: DeviceArrays, logits: torch.Tensor) -> dict[str, RowOutput]:
+def _verify_greedy_packed(
+    plan: PreparedStep, arrays: DeviceArrays, logits: torch.Tensor, finite: torch.Tensor
+) -> dict[str, RowOutput]:
     """Greedy verify straight from the packed logits `[kept, V]`: no `[rows, n_max, V]`
     grid, so one long draft does not make every row's sampling n_max times larger."""
     num_rows, n_max, device = len(plan.sample_rows), plan.n_max, logits.device
@@ -135,9 +147,7 @@ def _verify_greedy_packed(plan: PreparedStep, arrays: DeviceArrays, logits: torc
     target_ids.index_copy_(0, arrays["grid_index"], argmax(logits))
     draft_ids = _draft_ids(plan, arrays, num_rows, n_max)
     num_accepted, token_ids = greedy_verify(draft_ids, arrays["num_draft"], target_ids.view(num_rows, n_max))
-    finite = torch.ones(num_rows, dtype=torch.long, device=device)
-    finite.scatter_reduce_(0, arrays["grid_row"], all_finite(logits).long(), reduce="amin")
-    host = download(torch.cat([finite[:, None], num_accepted[:, None], token_ids], dim=1), *_probe_results(plan))
+    host = download(torch.cat([finite[:, None].long(), num_accepted[:, None], token_ids], dim=1), *_probe_results(plan))
     return _outputs(plan, host, False)
 
 
@@ -217,6 +227,15 @@ def _probe_accept(plan: PreparedStep, probs: torch.Tensor, sample_rows: torch.Te
         return p.clamp(max=1.0)
     q = plan.probe_q.gather(1, x)[:, 0]
     return (p / q.clamp(min=1e-30)).clamp(max=1.0)
+
+
+def _row_finite(arrays: DeviceArrays, kept_finite: torch.Tensor, num_rows: int, n_max: int) -> torch.Tensor:
+    """[rows] bool: every kept logit of the sampling row is finite (kept logits `[kept]` -> rows)."""
+    if n_max == 1:
+        return kept_finite.clone()
+    finite = torch.ones(num_rows, dtype=torch.long, device=kept_finite.device)
+    finite.scatter_reduce_(0, arrays["grid_row"], kept_finite.long(), reduce="amin")
+    return finite.bool()
 
 
 def all_finite(logits: torch.Tensor) -> torch.Tensor:

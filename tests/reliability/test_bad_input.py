@@ -217,7 +217,12 @@ CASES = [
     Case(
         "role-unknown", CHAT, json=body(CHAT, messages=[{"role": "robot", "content": "hi"}]), param="messages[0].role"
     ),
-    Case("role-tool", CHAT, json=body(CHAT, messages=[{"role": "tool", "content": "hi"}]), param="messages[0].role"),
+    Case(
+        "role-function",
+        CHAT,
+        json=body(CHAT, messages=[{"role": "function", "content": "hi"}]),
+        param="messages[0].role",
+    ),
     Case("role-missing", CHAT, json=body(CHAT, messages=[{"content": "hi"}]), param="messages[0].role"),
     Case("content-number", CHAT, json=body(CHAT, messages=user(5)), param="messages[0].content"),
     Case(
@@ -247,9 +252,19 @@ CASES = [
         param="prediction.type",
     ),
     Case(
-        "response-format-json", CHAT, json=body(CHAT, response_format={"type": "json_object"}), param="response_format"
+        "response-format-unknown", CHAT, json=body(CHAT, response_format={"type": "xml"}), param="response_format.type"
     ),
-    Case("tools", CHAT, json=body(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"),
+    Case(
+        "tool-choice-undeclared",
+        CHAT,
+        json=body(
+            CHAT,
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        param="tool_choice.function.name",
+    ),  # fmt: skip
+    Case("grammar-regex", CMPL, json=body(CMPL, structured_outputs={"regex": "(a"}), param="structured_outputs.regex"),
     Case("continue-final-misuse", CHAT, json=body(CHAT, continue_final_message=True), param="continue_final_message"),
     Case(
         "template-kwargs-clash",

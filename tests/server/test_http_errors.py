@@ -55,8 +55,24 @@ def assert_error(response: httpx.Response, status: int, param=None, code=None, e
         ("stop", ["x" * 300], "stop"),
         ("stream_options", {"include_usage": True}, "stream_options"),
         ("top_logprobs", 2, "top_logprobs"),
-        ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
-        ("response_format", {"type": "json_object"}, "response_format"),
+        ("tools", [{"type": "function", "function": {"name": "f f"}}], "tools[0].function.name"),
+        ("tool_choice", "required", "tool_choice"),
+        ("response_format", {"type": "xml"}, "response_format.type"),
+        ("response_format", {"type": "json_schema"}, "response_format.json_schema"),
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"format": "weird"}}},
+            "response_format.json_schema.schema",
+        ),
+        ("structured_outputs", {"regex": "(a|b"}, "structured_outputs.regex"),
+        ("structured_outputs", {"regex": "a", "choice": ["a"]}, "structured_outputs"),
+        ("structured_outputs", {"choice": []}, "structured_outputs.choice"),
+        ("structured_outputs", {"grammar": "start: undefined_rule"}, "structured_outputs.grammar"),
     ],
 )
 def test_invalid_chat_values_are_400_with_param(tiny_server, model, field, value, param):

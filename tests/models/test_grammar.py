@@ -1,0 +1,55 @@
+"""llguidance matchers as the engine uses them: forced tokens, draft checks that commit nothing,
+masks per verify position, and masks applied to packed logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.grammar import GrammarTokenizer, apply_masks, fill_masks, regex_grammar
+from tests.support.tiny_models import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def grammar_tokenizer(tokenizer):
+    return GrammarTokenizer(tokenizer, [tokenizer.eos_token_id], len(tokenizer) + 5)  # logits wider than the vocab
+
+
+def allowed(bitmask_row: torch.Tensor, vocab: int) -> set[int]:
+    return {i for i in range(vocab) if (int(bitmask_row[i // 32]) >> (i % 32)) & 1}
+
+
+def test_forced_accepts_and_advance(tokenizer, grammar_tokenizer):
+    state = grammar_tokenizer.compile(regex_grammar("hello (world|there)")).start()
+    forced = state.forced()
+    # The grammar leaves no other way to begin (llguidance keeps back a token that could merge with what follows).
+    assert forced and "hello ".startswith(tokenizer.decode(forced))
+    good = tokenizer.encode("hello world", add_special_tokens=False)
+    help_ids = tokenizer.encode("help", add_special_tokens=False)
+    assert state.accepts(good) == len(good) and state.accepts(help_ids) == len(help_ids) - 1  # "he", "l"; not "p"
+    assert state.num_tokens == 0  # nothing committed by asking
+    assert state.advance(good) and state.is_done and state.error is None
+    assert not state.advance([good[0]]) and state.error
+
+
+def test_masks_follow_the_draft_and_apply_to_packed_rows(tokenizer, grammar_tokenizer):
+    vocab = grammar_tokenizer.vocab_size
+    a, b = (grammar_tokenizer.compile(regex_grammar(r)).start() for r in ("ab", "[0-9]+"))
+    draft = tokenizer.encode("a", add_special_tokens=False)
+    bitmask = fill_masks([(a, 0, draft), (b, 2, [])], 4)
+    after_a = allowed(bitmask[1], vocab)
+    assert all(tokenizer.decode([t]) in ("b",) for t in after_a)  # "a" drafted: only "b" may follow
+    assert allowed(bitmask[3], vocab) == set(range(vocab))  # a row of no state: all allowed
+    assert all(tokenizer.decode([t]).isdigit() for t in allowed(bitmask[2], vocab))
+    assert a.num_tokens == 0 and a.accepts(draft) == 1  # the masks committed nothing
+
+    logits = torch.zeros(5, vocab, dtype=torch.bfloat16)
+    apply_masks(logits, torch.tensor([1, 3]), bitmask[1:3].to(torch.int64))
+    assert torch.isfinite(logits[[0, 2, 4]]).all()
+    assert set(torch.isfinite(logits[1]).nonzero().flatten().tolist()) == after_a
+    assert not torch.isfinite(logits[3, len(tokenizer) :]).any()  # past the tokenizer's ids: never
