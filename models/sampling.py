@@ -15,6 +15,14 @@ accept test, `STREAM_DRAFT` for a draft model's own sampling. Each output
 position consumes each stream at most once (only the first rejected position
 of a verify step is emitted, and the next step starts after it), so the
 uniforms that decide a token are always fresh.
+
+A seeded request is *coupled* (`SamplingTensors.coupled`): its drafts are
+verified against the plain path's own draw at each position
+(`speculation.rejection.coupled_verify`), and a draft model drafts it with the
+`STREAM_SAMPLE` uniform of the position it drafts, so its text is the plain
+path's whatever speculated. Unseeded requests keep the rejection sampler,
+which accepts the most a draft model's drafts (docs/determinism.md measures
+the difference).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ class SamplingTensors:
     repetition_penalty: Tensor  # [R] float32, 1 = off
     is_greedy: Tensor  # [R] bool
     seeds: Tensor  # [R] int64
+    coupled: Tensor  # [R] bool: verified against the plain path's draw (seeded requests)
     logit_bias: Tensor | None  # [R, V] float32, None when no row has a bias
     all_greedy: bool
     any_greedy: bool
@@ -60,6 +69,8 @@ class SamplingTensors:
     has_top_p: bool
     has_min_p: bool
     has_penalties: bool
+    any_coupled: bool  # among sampled rows
+    all_coupled: bool
 
     @property
     def has_logit_bias(self) -> bool:
@@ -78,6 +89,7 @@ class SamplingTensors:
         buf.floats(f"{prefix}.repetition", [max(p.repetition_penalty, MIN_REPETITION_PENALTY) for p in params])
         buf.bools(f"{prefix}.greedy", [p.is_greedy for p in params])
         buf.ints(f"{prefix}.seeds", [p.seed for p in params])
+        buf.bools(f"{prefix}.coupled", [p.seeded for p in params])
         bias = _bias_entries(params, vocab_size)
         if bias:
             rows, ids, values = zip(*bias)
@@ -106,6 +118,7 @@ class SamplingTensors:
             repetition_penalty=arrays[f"{prefix}.repetition"].to(torch.float32),
             is_greedy=arrays[f"{prefix}.greedy"],
             seeds=arrays[f"{prefix}.seeds"],
+            coupled=arrays[f"{prefix}.coupled"],
             logit_bias=logit_bias,
             all_greedy=all(greedy),
             any_greedy=any(greedy),
@@ -113,6 +126,8 @@ class SamplingTensors:
             has_top_p=any(p.top_p < 1.0 for p in sampled),
             has_min_p=any(p.min_p > 0.0 for p in sampled),
             has_penalties=any(uses_penalties(p) for p in params),
+            any_coupled=any(p.seeded for p in sampled),
+            all_coupled=all(p.seeded for p in sampled),
         )
 
     def take(self, index: Tensor, params: list[SamplingParams]) -> SamplingTensors:
@@ -128,6 +143,7 @@ class SamplingTensors:
             repetition_penalty=self.repetition_penalty[index],
             is_greedy=self.is_greedy[index],
             seeds=self.seeds[index],
+            coupled=self.coupled[index],
             logit_bias=None
             if self.logit_bias is None or not _bias_entries(params, self.logit_bias.shape[1])
             else self.logit_bias[index],
@@ -137,6 +153,8 @@ class SamplingTensors:
             has_top_p=any(p.top_p < 1.0 for p in sampled),
             has_min_p=any(p.min_p > 0.0 for p in sampled),
             has_penalties=any(uses_penalties(p) for p in params),
+            any_coupled=any(p.seeded for p in sampled),
+            all_coupled=all(p.seeded for p in sampled),
         )
 
 
@@ -353,6 +371,22 @@ def uniform_noise(seeds: Tensor, positions: Tensor, stream: int) -> Tensor:
     h = _mix64(h ^ positions.to(torch.int64))  # [R, n]
     h = _mix64(h ^ stream)
     return _shift_right(h, 11).to(torch.float64) * 2.0**-53  # top 53 bits
+
+
+def draft_noise(st: SamplingTensors, positions: Tensor) -> Tensor:
+    """The uniforms `[R, n]` a draft model draws output `positions` `[R, n]` with: a coupled
+    row's are the plain path's own (`STREAM_SAMPLE`), so its draft lands on the plain token
+    wherever q's interval overlaps p's; the others draw on `STREAM_DRAFT`, independent of
+    the verify's uniforms as the rejection sampler needs."""
+    if not st.any_coupled:
+        return uniform_noise(st.seeds, positions, STREAM_DRAFT)
+    if st.all_coupled:
+        return uniform_noise(st.seeds, positions, STREAM_SAMPLE)
+    return torch.where(
+        st.coupled[:, None],
+        uniform_noise(st.seeds, positions, STREAM_SAMPLE),
+        uniform_noise(st.seeds, positions, STREAM_DRAFT),
+    )
 
 
 def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:

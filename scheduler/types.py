@@ -64,6 +64,8 @@ class SamplingParams:
     filters. `logprobs` None: no logprobs; 0: the chosen token's; n: plus the
     top n. `seed` None draws a random seed: every request samples from its own
     counter-based stream, so its tokens never depend on its batch neighbours.
+    `seeded` says the caller chose the seed: such a request verifies drafts by the
+    coupled scheme (models.sampling), so its text is the plain path's whatever speculated.
     """
 
     max_tokens: int = 16
@@ -83,8 +85,10 @@ class SamplingParams:
     num_speculative_tokens: int | None = None
     # Test-only fault injection (honoured only when the engine enables it).
     fault: str | None = None
+    seeded: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
+        self.seeded = self.seed is not None
         if self.seed is None:
             self.seed = secrets.randbits(63)
         self.validate()

@@ -5,7 +5,8 @@ everything the target has accepted since its last step (its own stale
 positions, e.g. rejected drafts, are simply overwritten), the next K - 1 feed
 one drafted token each. Drafts are sampled from q, the proposer's distribution
 after the same processing as the target's (temperature, top-k/p, min-p,
-penalties, logit bias), so the rejection sampler stays lossless.
+penalties, logit bias), so the rejection sampler stays lossless; a seeded
+row's drafts are drawn with the plain path's uniforms (`draft_noise`).
 
 Everything the K forwards need from the host is known before the first one
 (`plan` adds it to the step's one upload); drafted tokens stay on the device
@@ -22,14 +23,13 @@ import torch
 from models.forward import last_token_index
 from models.kv_cache import LayoutPlan, StepLayout
 from models.sampling import (
-    STREAM_DRAFT,
     SamplingTensors,
+    draft_noise,
     greedy_ids,
     plan_penalty_counts,
     process_logits,
     resolve_penalty_counts,
     sample_from_probs,
-    uniform_noise,
 )
 from models.transfer import DeviceArrays, HostBuffer
 from scheduler.types import Request
@@ -165,7 +165,7 @@ class DeviceProposer(Proposer):
                     q[index, j] = torch.nn.functional.one_hot(tokens, vocab).to(q.dtype)
             else:
                 probs = process_logits(logits, st_j, counts_j, mask_j, None)  # [rows, 1, V]
-                u = uniform_noise(st_j.seeds, (out_len[index] + j)[:, None], STREAM_DRAFT)
+                u = draft_noise(st_j, (out_len[index] + j)[:, None])
                 tokens = sample_from_probs(probs, u)[:, 0]
                 assert q is not None  # allocated whenever a row samples
                 q[index, j] = probs[:, 0]

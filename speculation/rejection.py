@@ -1,4 +1,13 @@
-"""The lossless rejection sampler of speculative decoding."""
+"""The two lossless verifiers of speculative decoding.
+
+`rejection_sample` is the speculative-sampling rule: the most drafts accepted a
+step for a drafter that samples from its own q, and the default for sampled
+requests. `coupled_verify` keeps a row to the plain path instead: it accepts a
+draft token iff it equals the token plain decoding would emit at that position
+(the argmax for greedy rows, the (seed, position)-keyed draw for seeded rows),
+and emits that token at the first mismatch, so a seeded request's text does not
+depend on whether, or how, it speculated.
+"""
 
 from __future__ import annotations
 
@@ -88,12 +97,18 @@ def rejection_sample(
     return num_accepted, output_ids
 
 
-def greedy_verify(draft_ids: Tensor, num_draft: Tensor, target_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """`rejection_sample` for rows whose p and q are one-hot (greedy), from argmaxes.
+def coupled_verify(draft_ids: Tensor, num_draft: Tensor, target_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Accept drafts while they equal `target_ids` `[R, k + 1]`, the tokens plain decoding
+    draws at each position from the target; the next token is the plain token at the first
+    mismatch (or the bonus position). Same returns as `rejection_sample`.
 
-    Accept drafts while they equal the target's argmax `target_ids` `[R, k + 1]`;
-    the next token is the target's argmax at the first mismatch (or the bonus
-    position). Same returns as `rejection_sample`.
+    The output is the plain path's token for token, so it is distributed as the target
+    whatever drafted. A model-free draft token x is accepted with chance p(x), as
+    `rejection_sample` accepts a one-hot q. A draft model draws its token from q by the
+    same uniform as the plain draw from p (inverse CDF over token ids), so it is accepted
+    with chance sum_x |I_p(x) & I_q(x)|, the overlap of the two distributions' intervals:
+    at most `rejection_sample`'s sum_x min(p(x), q(x)). For greedy rows both rules are
+    argmax equality.
     """
     num_rows, k = draft_ids.shape
     positions = torch.arange(k + 1, device=draft_ids.device)

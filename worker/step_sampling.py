@@ -3,10 +3,11 @@
 `PreparedStep` is what `ModelRunner` prepares on the host for one step (rows, drafts,
 layout, the one upload). `sample_step` turns the forward's logits into each sampling
 row's tokens: plain sampling, greedy verify straight from the packed logits, or the
-lossless rejection sampler over a `[rows, n_max, V]` grid, with the probes' grades, and
-brings everything back in one download (`models.transfer`).
+lossless verifiers over a `[rows, n_max, V]` grid (the rejection sampler; the coupled
+verify for seeded rows), with the probes' grades, and brings everything back in one
+download (`models.transfer`).
 
-It is where the worker meets the rejection sampler (`speculation.rejection`).
+It is where the worker meets the verifiers (`speculation.rejection`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from models.sampling import (
 from models.transfer import DeviceArrays, HostBuffer, download
 from scheduler.types import Draft, RowOutput, ScheduledRow
 from speculation.device_draft import DraftPlan
-from speculation.rejection import greedy_verify, rejection_sample
+from speculation.rejection import coupled_verify, rejection_sample
 
 
 @dataclass
@@ -111,21 +112,19 @@ def sample_step(plan: PreparedStep, arrays: DeviceArrays, logits: torch.Tensor) 
             num_accepted, token_ids = torch.zeros(num_rows, dtype=torch.long, device=device), target_ids
         else:
             assert draft_ids is not None
-            num_accepted, token_ids = greedy_verify(draft_ids, num_draft, target_ids)
+            num_accepted, token_ids = coupled_verify(draft_ids, num_draft, target_ids)
     else:
         probs = process_logits(grid, st, output_counts, prompt_mask, draft_ids)  # [rows, n_max, vocab]
         if plan.probe_ids is not None:
-            plan.probe_accept = _probe_accept(plan, probs, arrays["probe_sample_rows"])
+            plan.probe_accept = _probe_accept(plan, probs, arrays["probe_sample_rows"], st)
         positions = arrays["out_len"][:, None] + torch.arange(n_max, device=device)  # [rows, n_max]
         u_sample = uniform_noise(st.seeds, positions, STREAM_SAMPLE)
         if n_max == 1:
             num_accepted = torch.zeros(num_rows, dtype=torch.long, device=device)
             token_ids = sample_from_probs(probs, u_sample)  # [rows, 1]
         else:
-            u_accept = uniform_noise(st.seeds, positions[:, :-1], STREAM_ACCEPT)
             assert draft_ids is not None
-            q = _draft_probs(plan, arrays, draft_ids, num_draft, vocab)
-            num_accepted, token_ids = rejection_sample(draft_ids, num_draft, q, probs, u_accept, u_sample)
+            num_accepted, token_ids = _verify_sampled(plan, arrays, st, probs, draft_ids, positions, u_sample)
     if "nan_rows" in arrays:
         finite[arrays["nan_rows"]] = False
     results = [torch.cat([finite[:, None].long(), num_accepted[:, None], token_ids], dim=1)]
@@ -146,9 +145,33 @@ def _verify_greedy_packed(
     target_ids = torch.zeros(num_rows * n_max, dtype=torch.long, device=device)
     target_ids.index_copy_(0, arrays["grid_index"], argmax(logits))
     draft_ids = _draft_ids(plan, arrays, num_rows, n_max)
-    num_accepted, token_ids = greedy_verify(draft_ids, arrays["num_draft"], target_ids.view(num_rows, n_max))
+    num_accepted, token_ids = coupled_verify(draft_ids, arrays["num_draft"], target_ids.view(num_rows, n_max))
     host = download(torch.cat([finite[:, None].long(), num_accepted[:, None], token_ids], dim=1), *_probe_results(plan))
     return _outputs(plan, host, False)
+
+
+def _verify_sampled(
+    plan: PreparedStep,
+    arrays: DeviceArrays,
+    st: SamplingTensors,
+    probs: torch.Tensor,
+    draft_ids: torch.Tensor,
+    positions: torch.Tensor,
+    u_sample: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sampled step's verify: the rejection sampler for unseeded rows, the coupled verify
+    (the plain path's draw at every position, `u_sample`) for seeded ones."""
+    num_draft = arrays["num_draft"]
+    if st.all_coupled:
+        return coupled_verify(draft_ids, num_draft, sample_from_probs(probs, u_sample))
+    u_accept = uniform_noise(st.seeds, positions[:, :-1], STREAM_ACCEPT)
+    q = _draft_probs(plan, arrays, draft_ids, num_draft, probs.shape[-1])
+    num_accepted, token_ids = rejection_sample(draft_ids, num_draft, q, probs, u_accept, u_sample)
+    if st.any_coupled:
+        rows = arrays["coupled_rows"]
+        plain_ids = sample_from_probs(probs[rows], u_sample[rows])
+        num_accepted[rows], token_ids[rows] = coupled_verify(draft_ids[rows], num_draft[rows], plain_ids)
+    return num_accepted, token_ids
 
 
 def _draft_ids(plan: PreparedStep, arrays: DeviceArrays, num_rows: int, n_max: int) -> torch.Tensor:
@@ -217,16 +240,24 @@ def _probe_results(plan: PreparedStep) -> list[torch.Tensor]:
     return [plan.probe_ids] if plan.probe_accept is None else [plan.probe_ids, plan.probe_accept]
 
 
-def _probe_accept(plan: PreparedStep, probs: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor:
+def _probe_accept(
+    plan: PreparedStep, probs: torch.Tensor, sample_rows: torch.Tensor, st: SamplingTensors
+) -> torch.Tensor:
     """min(1, p(x) / q(x)) per probe: x its token, p the target's processed distribution at the
-    row's next position, q the proposer's (one-hot for a greedy row, so equality)."""
+    row's next position, q the proposer's (one-hot for a greedy row, so equality). A coupled
+    row's probe is accepted exactly when the row emits its token: NaN tells the policy to
+    grade it by that."""
     assert plan.probe_ids is not None
     x = plan.probe_ids[:, None]
     p = probs[sample_rows, 0].gather(1, x)[:, 0]
     if plan.probe_q is None:
-        return p.clamp(max=1.0)
-    q = plan.probe_q.gather(1, x)[:, 0]
-    return (p / q.clamp(min=1e-30)).clamp(max=1.0)
+        accept = p.clamp(max=1.0)
+    else:
+        q = plan.probe_q.gather(1, x)[:, 0]
+        accept = (p / q.clamp(min=1e-30)).clamp(max=1.0)
+    if st.any_coupled:
+        accept = accept.masked_fill(st.coupled[sample_rows] & ~st.is_greedy[sample_rows], float("nan"))
+    return accept
 
 
 def _row_finite(arrays: DeviceArrays, kept_finite: torch.Tensor, num_rows: int, n_max: int) -> torch.Tensor:

@@ -3,6 +3,8 @@ distribution), every proposer, mixed batches, and the plain path when off."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from models.loader import ModelConfig, load_model
@@ -49,7 +51,7 @@ def requests(tokenizer, tag, speculation, n=32, predictions=None, **params):
         r = Request(
             f"{tag}{i}",
             tokenizer(prompt).input_ids,
-            SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, speculation=spec, **params),
+            SamplingParams(max_tokens=n, ignore_eos=True, speculation=spec, **{"temperature": 0, **params}),
         )
         if predictions:
             r.prediction_ids = predictions[i]
@@ -87,6 +89,40 @@ def test_greedy_speculation_equals_plain_output(proposer, extras):
     for i in range(len(PROMPTS)):
         (alone,) = run_offline(runner, config, requests(tok, f"one{i}", True, **extras)[i : i + 1])
         assert alone.token_ids == plain[i]
+
+
+SEEDED = dict(temperature=0.9, seed=1234)
+
+
+def test_seeded_sampled_output_is_the_plain_path_whatever_speculated(proposer):
+    """A seeded request is verified against the plain path's own draws, so its sampled text
+    is the same with speculation off, on, `auto`, in a mixed batch and alone, after whatever
+    traffic came before it (the suffix proposer learns from each run)."""
+    target, runner = proposer
+    config = config_for(target)
+    tok = target.tokenizer
+    plain = [c.token_ids for c in run_offline(runner, config, requests(tok, "off", False, **SEEDED))]
+    assert len({tuple(t) for t in plain}) == len(PROMPTS)
+    spec = run_offline(runner, config, requests(tok, "on", True, **SEEDED))
+    assert [c.token_ids for c in spec] == plain
+    assert sum(c.num_draft_tokens for c in spec) > 0
+    for tag, mode in (("auto", "auto"), ("mix", [True, False, True, False])):
+        assert [c.token_ids for c in run_offline(runner, config, requests(tok, tag, mode, **SEEDED))] == plain
+    for i in range(len(PROMPTS)):
+        (alone,) = run_offline(runner, config, requests(tok, f"one{i}", True, **SEEDED)[i : i + 1])
+        assert alone.token_ids == plain[i]
+
+
+def test_a_seeded_request_accepts_a_prediction_of_its_own_sampled_text(tiny_llama_dir):
+    """Coupled verification accepts a draft exactly when it is the plain path's token: a
+    prediction equal to the seeded plain text is accepted whole, at temperature 0.9."""
+    target, runner = runner_for(tiny_llama_dir, "none")
+    config = config_for(target)
+    tok = target.tokenizer
+    plain = [c.token_ids for c in run_offline(runner, config, requests(tok, "off", False, **SEEDED))]
+    spec = run_offline(runner, config, requests(tok, "p", "auto", predictions=plain, **SEEDED))
+    assert [c.token_ids for c in spec] == plain
+    assert all(c.num_accepted_tokens == c.num_draft_tokens >= 20 for c in spec)
 
 
 def test_suffix_drafts_from_earlier_outputs_and_stays_exact(tiny_llama_dir):
@@ -145,10 +181,8 @@ def test_probes_ride_in_the_draft_forwards_and_verify_nothing(tiny_llama_dir):
     assert len(probes) >= 2 * 30 and all(draft == emitted for draft, emitted in probes)
 
 
-def test_a_sampled_probe_is_graded_by_the_chance_it_would_be_accepted(tiny_llama_dir):
-    """A sampled row's emitted token is one draw of p: with the target as its own draft
-    (q = p) it matches the probe's token only now and then, yet the rejection sampler would
-    accept every such draft. The probe comes back with that chance, min(1, p(x) / q(x))."""
+def sampled_probes(tiny_llama_dir, seed: int | None) -> list[tuple[int, int, float | None]]:
+    """(probe token, emitted token, accept chance) of every probe, with the target as its own draft."""
     target, runner = runner_for(tiny_llama_dir, "draft_model", tiny_llama_dir)
     execute, probes = runner.execute, []
 
@@ -160,12 +194,29 @@ def test_a_sampled_probe_is_graded_by_the_chance_it_would_be_accepted(tiny_llama
         return output
 
     runner.execute = probing  # type: ignore[method-assign]
-    params = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True, speculation=False)
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True, speculation=False)
     run_offline(runner, config_for(target), [Request(f"s{i}", target.tokenizer(p).input_ids, params)
                                             for i, p in enumerate(PROMPTS)])  # fmt: skip
     assert len(probes) >= 4 * 20
+    return probes
+
+
+def test_a_sampled_probe_is_graded_by_the_chance_it_would_be_accepted(tiny_llama_dir):
+    """An unseeded row's emitted token is one draw of p: with the target as its own draft
+    (q = p) it matches the probe's token only now and then, yet the rejection sampler would
+    accept every such draft. The probe comes back with that chance, min(1, p(x) / q(x))."""
+    probes = sampled_probes(tiny_llama_dir, seed=None)
     assert all(accept is not None and accept > 0.999 for _, _, accept in probes)
     assert sum(draft == emitted for draft, emitted, _ in probes) < len(probes) / 2
+
+
+def test_a_seeded_probe_draws_the_plain_token_and_is_graded_by_it(tiny_llama_dir):
+    """A seeded row is coupled: its draft is drawn with the plain draw's own uniform, so a
+    draft whose q equals p lands on the emitted token every time, and the probe is graded by
+    that equality (NaN chance)."""
+    probes = sampled_probes(tiny_llama_dir, seed=11)
+    assert all(draft == emitted for draft, emitted, _ in probes)
+    assert all(accept is not None and math.isnan(accept) for _, _, accept in probes)
 
 
 def test_prediction_is_used_as_the_draft(tiny_llama_dir):
@@ -210,27 +261,35 @@ def test_threshold_runs_plain_steps_without_proposer_calls(tiny_llama_dir, tiny_
     assert runner.proposer.calls > 0
 
 
-def test_sampled_distribution_with_speculation_matches_without(tiny_llama_dir, tiny_draft_dir):
+def unseeded(params: SamplingParams) -> SamplingParams:
+    """`params` as if the server had drawn its seed: verified by the rejection sampler,
+    yet fixed, so a statistical test stays deterministic."""
+    params.seeded = False
+    return params
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "coupled"])
+def test_sampled_distribution_with_speculation_matches_without(tiny_llama_dir, tiny_draft_dir, seeded):
     """Two-sample chi-square on the token at output position 1 — the first token
-    produced by a verify step — with a weak draft so rejections happen."""
+    produced by a verify step — with a weak draft so rejections happen. Seeded requests
+    are coupled: their tokens are the plain run's, one for one."""
     target, runner = runner_for(tiny_llama_dir, "draft_model", tiny_draft_dir, max_num_seqs=16)
     config = config_for(target, max_num_seqs=16, max_queue=2000, spec_disable_batch_size=16)
     ids = target.tokenizer("Hello world").input_ids
     num = 1500
 
     def batch(tag, speculation):
-        return [
-            Request(
-                f"{tag}{i}",
-                ids,
-                SamplingParams(max_tokens=3, temperature=1.5, seed=i, ignore_eos=True, speculation=speculation),
-            )
+        params = [
+            SamplingParams(max_tokens=3, temperature=1.5, seed=i, ignore_eos=True, speculation=speculation)
             for i in range(num)
         ]
+        return [Request(f"{tag}{i}", ids, p if seeded else unseeded(p)) for i, p in enumerate(params)]
 
     plain = run_offline(runner, config, batch("off", False))
     spec = run_offline(runner, config, batch("on", True))
     assert sum(c.num_draft_tokens for c in spec) >= num  # position 1 always comes from a verify
     assert 0 < sum(c.num_accepted_tokens for c in spec) < sum(c.num_draft_tokens for c in spec)
+    if seeded:
+        assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     # Fixed seeds: deterministic; a biased sampler gives p ~ 0.
     assert same_token_distribution_p_value(plain, spec) > 1e-3

@@ -288,8 +288,8 @@ def test_harness_rejects_q_processed_differently_from_the_draw():
     assert chisquare_pvalue(output_ids[:, 0], p[0]) > P_VALUE_FLOOR
 
 
-def test_greedy_verify_equals_rejection_sample_on_one_hot_rows():
-    from speculation.rejection import greedy_verify
+def test_coupled_verify_equals_rejection_sample_on_one_hot_rows():
+    from speculation.rejection import coupled_verify
 
     g = torch.Generator().manual_seed(3)
     rows, k, vocab = 64, 4, 6  # a small vocabulary: drafts often match
@@ -303,6 +303,6 @@ def test_greedy_verify_equals_rejection_sample_on_one_hot_rows():
     u_accept = torch.rand(rows, k, generator=g, dtype=torch.float64)
     u_sample = torch.rand(rows, k + 1, generator=g, dtype=torch.float64)
     expected = rejection_sample(draft_ids, num_draft, q, p, u_accept, u_sample)
-    actual = greedy_verify(draft_ids, num_draft, target_ids)
+    actual = coupled_verify(draft_ids, num_draft, target_ids)
     assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
     assert 0 < expected[0].float().mean() < k
