@@ -122,7 +122,7 @@ class LayoutPlan:
             token_index=None if token_index == list(range(total)) else token_index,
             pad_index=None if len(pad_index) == len(run) * max_q else pad_index,
             view_block=view_block,
-            paged=max_q == 1 and paged_attention.enabled(),
+            paged=(max_q == 1 or paged_attention.everywhere()) and paged_attention.enabled(),
         )
 
     def add_to(self, buf: HostBuffer, prefix: str) -> None:

@@ -67,14 +67,21 @@ MIN_GAIN = 0.05
 # for its kernels (`pack`). On an AMX CPU in bf16 the packed product of SmolLM2's MLP weights ran
 # 1-64 rows in 0.5-0.7 of F.linear's time; on float32 it is often no faster: the timing decides.
 # QUANTIZED: the layer's weight-only int8/int4 copy (`models.quantized`), for layers that have one.
-STANDARD_LAYOUT, TRANSPOSED, PADDED, PACKED, QUANTIZED = 0, 1, 2, 3, 4
+# CHUNKED: x @ W^T in calls of exactly INVARIANT_ROWS rows, the last one padded (`--batch-invariant`).
+STANDARD_LAYOUT, TRANSPOSED, PADDED, PACKED, QUANTIZED, CHUNKED = 0, 1, 2, 3, 4, 5
 LAYOUT_NAMES = {
     STANDARD_LAYOUT: "x @ W^T",
     TRANSPOSED: "(W @ x^T)^T",
     PADDED: "(W @ [x; x]^T)^T",
     PACKED: "packed",
     QUANTIZED: "weight-only",
+    CHUNKED: "x @ W^T in 16-row calls",
 }
+# A BLAS library picks its kernel (and so the order of a row's sums) by the call's row count:
+# in bf16 on an AMX Xeon, F.linear gave a row other bits past 32 rows than alone, and in
+# float32 at every count from 2. A call of one fixed size gives each row the same bits wherever
+# it sits and whatever shares the call (checked at load: `check_row_invariance`).
+INVARIANT_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,7 @@ class KernelTable:
     layouts: tuple[int, ...] = ()
     ratios: tuple[float, ...] = ()
     seconds: float = 0.0  # what tuning took
+    beyond: int = STANDARD_LAYOUT  # past the last rung
     # The layout for every token count up to the last rung: a list lookup per call, as the
     # dispatch runs once per linear layer per step.
     _by_tokens: list[int] = field(init=False, repr=False, compare=False)
@@ -100,7 +108,7 @@ class KernelTable:
         return layout in self.layouts
 
     def layout(self, num_tokens: int) -> int:
-        return self._by_tokens[num_tokens] if num_tokens <= RUNGS[-1] else STANDARD_LAYOUT
+        return self._by_tokens[num_tokens] if num_tokens <= RUNGS[-1] else self.beyond
 
     def describe(self) -> str:
         """The table as one log line: runs of token counts sharing a layout."""
@@ -158,6 +166,9 @@ class ModelKernels:
 
 
 UNTUNED = ModelKernels()
+# `--batch-invariant`: every product, quantized ones on their dense values, in fixed-size calls.
+INVARIANT_TABLE = KernelTable(tuple(CHUNKED for _ in RUNGS), tuple(1.0 for _ in RUNGS), beyond=CHUNKED)
+INVARIANT = ModelKernels(layers=INVARIANT_TABLE, output=INVARIANT_TABLE, untimed_quantized=INVARIANT_TABLE)
 # x @ W^T for every product, quantized ones too (a benchmark's baseline).
 STANDARD_ONLY = ModelKernels(untimed_quantized=STANDARD)
 
@@ -187,6 +198,8 @@ def linear(
     """x @ W^T + b in `layout` (PACKED needs `packed`, `pack(weight)`; QUANTIZED needs `quantized`)."""
     if layout == STANDARD_LAYOUT:
         return F.linear(x, weight, bias)
+    if layout == CHUNKED:
+        return chunked_linear(x, weight, bias)
     if layout == QUANTIZED:
         assert quantized is not None, "the weight-only layout needs the quantized copy"
         out = quantized.matmul(x.reshape(-1, x.shape[-1]).contiguous())  # its kernels read rows densely
@@ -199,6 +212,33 @@ def linear(
         out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
         return out.view(*x.shape[:-1], weight.shape[0])
     return transposed_linear(x, weight, bias, padded=layout == PADDED)
+
+
+def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + b in calls of exactly `INVARIANT_ROWS` rows (zeros pad the last), so a row's
+    bits do not depend on how many rows the step has."""
+    rows = x.reshape(-1, x.shape[-1])
+    num_rows = rows.shape[0]
+    pad = -num_rows % INVARIANT_ROWS
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    out = torch.cat([F.linear(chunk, weight, bias) for chunk in rows.split(INVARIANT_ROWS)])
+    return out[:num_rows].view(*x.shape[:-1], weight.shape[0])
+
+
+def check_row_invariance(weights: Iterable[torch.Tensor]) -> None:
+    """Raise unless `chunked_linear` gives each row the same bits at every place in a call, for
+    each weight (the model's own shapes: libraries switch kernels by shape too)."""
+    generator = torch.Generator().manual_seed(0)
+    for weight in weights:
+        rows = torch.randn(INVARIANT_ROWS, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
+        together = chunked_linear(rows, weight, None)
+        for i in range(INVARIANT_ROWS):
+            if not torch.equal(chunked_linear(rows[i : i + 1], weight, None)[0], together[i]):
+                raise RuntimeError(
+                    f"--batch-invariant: a {tuple(weight.shape)} {weight.dtype} product gives row {i} other bits "
+                    "than the same row alone on this machine's BLAS; the mode cannot hold here"
+                )
 
 
 def can_pack(weight: torch.Tensor) -> bool:

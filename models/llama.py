@@ -164,7 +164,7 @@ class LlamaForward:
                 return None  # per-head norms (Qwen3) or anything else this forward does not apply
             if {name for name, _ in layer.mlp.named_children()} != MLP_CHILDREN:
                 return None
-        if _sliding_window(config):
+        if uses_sliding_window(config):
             return None
         return cls(model)
 
@@ -210,7 +210,7 @@ class LlamaForward:
         return logits, torch.cat([kept.get(i, last) for i in layers], dim=-1)
 
 
-def _sliding_window(config) -> bool:
+def uses_sliding_window(config) -> bool:
     """Whether any layer attends over a window rather than its whole context."""
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return True

@@ -44,7 +44,16 @@ from transformers import (
 from models import catalogue, cpu_kernels, layer_ops, paged_attention, weights
 from models.forward import lean_forward
 from models.kv_cache import KVCache, tune_attention
-from models.linear_kernels import UNTUNED, ModelKernels, install_model, tune_model
+from models.linear_kernels import (
+    INVARIANT,
+    UNTUNED,
+    ModelKernels,
+    check_row_invariance,
+    install_model,
+    linear_layers,
+    tune_model,
+)
+from models.llama import LlamaForward, uses_sliding_window
 from models.quantized import footprint
 
 logger = logging.getLogger("specd.models")
@@ -79,6 +88,9 @@ class ModelConfig:
     tune_kernels: bool = True  # time the linear layers' GEMM layouts at load (CPU; linear_kernels.py)
     cpu_attention: str = "paged"  # paged | gather: how CPU decode rows read the KV pool (paged_attention.py)
     weights: str = "auto"  # auto | bf16 | int8 | int4: the format each weight is served in (weights.py)
+    # Fixed-size GEMM calls and paged attention for every row: a token's bits do not depend on
+    # its step's other rows (linear_kernels.INVARIANT, paged_attention.everywhere).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -107,6 +119,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     kernels: ModelKernels = UNTUNED  # the GEMM layout its linear layers use per token count
     weights: str = "auto"  # the --weights it was loaded with (`models.weights`)
+    batch_invariant: bool = False
 
 
 def default_cache_dir() -> Path:
@@ -171,15 +184,18 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     plan = weights.plan_for(cfg.weights, model, gguf_path, device)
     weights.apply(model, plan, dtype)
     lean = lean_forward(model)  # fuses q/k/v and gate/up first: the products are timed as they run
-    kernels = tune_model(model, lean.gemms() if lean else None) if cfg.tune_kernels else UNTUNED
-    if plan and not kernels.is_tuned:
-        install_model(model, kernels)  # quantized copies still run small steps (UNTUNED_QUANTIZED)
+    built = device.type == "cpu" and cpu_kernels.load(cfg.cache_dir or default_cache_dir())
+    if cfg.batch_invariant:
+        kernels = _invariant_kernels(model, lean, built)
+    else:
+        kernels = tune_model(model, lean.gemms() if lean else None) if cfg.tune_kernels else UNTUNED
+        if plan and not kernels.is_tuned:
+            install_model(model, kernels)  # quantized copies still run small steps (UNTUNED_QUANTIZED)
     if lean is not None:
         lean.use_kernels(kernels)
-    if cfg.tune_kernels and device.type == "cpu":
+    if cfg.tune_kernels and device.type == "cpu" and not cfg.batch_invariant:
         tune_attention(*KVCache.heads(model.config), dtype)
-    built = device.type == "cpu" and cpu_kernels.load(cfg.cache_dir or default_cache_dir())
-    paged_attention.use(built and cfg.cpu_attention == "paged")
+    paged_attention.use(built and (cfg.cpu_attention == "paged" or cfg.batch_invariant), cfg.batch_invariant)
     layer_ops.use(built)
     loaded = LoadedModel(
         model=model,
@@ -192,6 +208,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         eos_token_ids=_eos_token_ids(model, tokenizer),
         kernels=kernels,
         weights=cfg.weights,
+        batch_invariant=cfg.batch_invariant,
     )
     dense_bytes, quantized_bytes = footprint(
         model, lean.fused_copies() if lean else (), lean.fused_tensors() if lean else ()
@@ -330,6 +347,20 @@ def local_model_dir(cfg: ModelConfig) -> Path | None:
     assert cfg.model is not None  # None means the bundled GGUF
     path = Path(cfg.model).expanduser()
     return path if path.is_dir() else None
+
+
+def _invariant_kernels(model: PreTrainedModel, lean: LlamaForward | None, built: bool) -> ModelKernels:
+    """`--batch-invariant`'s products, once this machine's BLAS is seen to hold them on the
+    model's own shapes; refused where some row could still take other bits."""
+    if not built:
+        raise RuntimeError("--batch-invariant needs specd's CPU kernels (a CPU device and a C++ compiler)")
+    if uses_sliding_window(model.config):
+        raise RuntimeError("--batch-invariant: sliding-window attention is not in the paged kernel")
+    install_model(model, INVARIANT)
+    products = [*(lean.gemms() if lean else linear_layers(model)), model.get_output_embeddings()]
+    shapes = {(tuple(p.weight.shape), p.weight.dtype): p.weight for p in products}
+    check_row_invariance(shapes.values())
+    return INVARIANT
 
 
 def _gguf_path(model: str | None, cache_dir: Path) -> Path | None:

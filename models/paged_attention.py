@@ -22,16 +22,24 @@ if TYPE_CHECKING:
 MAX_HEAD_DIM = 256  # the kernel's per-key registers (kMaxHeadDim)
 
 _enabled = False  # decode groups on CPU read the pool in place (`use`)
+_everywhere = False  # verify rows and prefill chunks too (`--batch-invariant`)
 
 
 def enabled() -> bool:
     return _enabled
 
 
-def use(wanted: bool) -> None:
-    """Whether `models.kv_cache` sends CPU decode groups here (only where the kernels are loaded)."""
-    global _enabled
+def everywhere() -> bool:
+    return _enabled and _everywhere
+
+
+def use(wanted: bool, everywhere: bool = False) -> None:
+    """Whether `models.kv_cache` sends CPU decode groups here (only where the kernels are loaded),
+    and with `everywhere` every group: the kernel computes each query alone, over its keys in
+    block order, so a token's attention has the same bits in a decode, a verify or a prefill."""
+    global _enabled, _everywhere
     _enabled = wanted and cpu_kernels.available()
+    _everywhere = everywhere
 
 
 def reads(group: AttentionGroup, query: torch.Tensor, sliding_window: int | None) -> bool:

@@ -68,6 +68,7 @@ def model_config(settings: Settings) -> ModelConfig:
         tune_kernels=settings.tune_kernels,
         cpu_attention=settings.cpu_attention,
         weights=settings.weights,
+        batch_invariant=settings.batch_invariant,
     )
 
 

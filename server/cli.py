@@ -42,7 +42,7 @@ GENERATE_SETTINGS = (
 # Settings that `train-draft` shares with `serve`: which target, loaded how.
 TRAIN_DRAFT_SETTINGS = (
     "model", "dtype", "device", "cache_dir", "revision", "trust_remote_code", "tune_kernels", "cpu_attention",
-    "log_level", "weights",
+    "batch_invariant", "log_level", "weights",
 )  # fmt: skip
 
 

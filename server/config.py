@@ -157,6 +157,13 @@ class Settings(BaseSettings):
         "quantized layer keeps its dense values too, and the per-step-size timing at load picks torch's "
         "weight-only kernel (decode steps of a few rows) or the dense product (verify and prefill).",
     )
+    batch_invariant: bool = Field(
+        False,
+        description="Give every token the same bits whatever shares its step (CPU, docs/determinism.md): each "
+        "linear layer runs in fixed 16-row calls (no tuned or weight-only kernels) and attention for every row, "
+        "decode, verify or prefill, in the paged kernel. Output then does not change with the batch or with "
+        "speculation, in bf16 too; refused at start where this CPU's BLAS cannot hold it.",
+    )
     tune_kernels: bool = Field(
         True,
         description="On CPU, time the two GEMM layouts of the linear layers at load (~9 s for SmolLM2: the decoder "

@@ -31,6 +31,7 @@ def loaded_as(model: ModelConfig | LoadedModel) -> ModelConfig:
         tune_kernels=model.kernels.is_tuned,
         cpu_attention="paged" if paged_attention.enabled() else "gather",
         weights=model.weights,
+        batch_invariant=model.batch_invariant,
     )
 
 

@@ -88,7 +88,13 @@ def test_tuned_layers_follow_the_table_and_keep_their_outputs(tiny_llama_dir):
     assert kernels.is_tuned and len(kernels.layers.layouts) == len(kernels.output.layouts) == len(RUNGS)
     output = tuned.model.get_output_embeddings()
     assert output.kernel_table is kernels.output
-    assert all(m.kernel_table is kernels.layers for m in layers if m is not output)
+    fused = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    for name, m in tuned.model.named_modules():
+        if isinstance(m, TunedLinear) and m is not output:
+            # A table that packs goes to the fused product (llama.Projection); its members then
+            # run their plain views, as transformers' own forward does.
+            packs = name.rsplit(".", 1)[-1] in fused and kernels.layers.uses(PACKED)
+            assert m.kernel_table is (linear_kernels.STANDARD if packs else kernels.layers), name
     assert tuned.model.state_dict().keys() == plain.model.state_dict().keys()
 
     # Force each layout in turn: the model's logits stay those of the untuned model.
@@ -165,3 +171,34 @@ def test_the_packed_layout_wins_where_it_is_faster_and_computes_the_same_product
         x = torch.randn(5, layer.in_features)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
         assert layer(x[None]).shape == (1, 5, layer.out_features)  # leading dims kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_layout_gives_a_row_the_same_bits_whatever_shares_its_step(dtype):
+    """`--batch-invariant`'s product: the right values, and one row's bits alone, first or last in
+    a step, and in a step past one call (BLAS libraries switch kernels by row count; this is
+    what the layout is for)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=g).to(dtype)
+    bias = torch.randn(96, generator=g).to(dtype)
+    rows = torch.randn(40, 64, generator=g).to(dtype)
+    together = linear_kernels.chunked_linear(rows, weight, bias)
+    torch.testing.assert_close(together, F.linear(rows, weight, bias))
+    for i in (0, 15, 16, 39):
+        alone = linear_kernels.chunked_linear(rows[i : i + 1], weight, bias)[0]
+        assert torch.equal(alone, together[i])
+    linear_kernels.check_row_invariance([weight])
+
+
+def test_row_invariance_is_refused_where_the_library_cannot_hold_it(monkeypatch):
+    """A BLAS whose row results depend on the row's place in the call (faked here) fails the
+    check at load, rather than serving a mode that does not hold."""
+    real = F.linear
+
+    def placed(x, weight, bias=None):
+        out = real(x, weight, bias)
+        return out + torch.arange(out.shape[0], dtype=out.dtype)[:, None] * 1e-3
+
+    monkeypatch.setattr(linear_kernels.F, "linear", placed)
+    with pytest.raises(RuntimeError, match="batch-invariant"):
+        linear_kernels.check_row_invariance([torch.randn(8, 8)])
