@@ -29,7 +29,7 @@ from server.auth import Credentials
 from server.config import DEFAULT_KV_SEQUENCES, DEFAULT_MAX_MODEL_LEN, Settings
 from server.errors import install_error_handlers
 from server.kv_events import KVEventPublisher
-from server.middleware import AuthMiddleware, BodyLimitMiddleware, LoopbackHostMiddleware, RequestLogMiddleware
+from server.middleware import ANY_HOST, AuthMiddleware, BodyLimitMiddleware, HostCheckMiddleware, RequestLogMiddleware
 from server.playground import playground_router
 from server.routes import router
 from server.serving import ServingContext
@@ -268,6 +268,8 @@ def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
         )
-    if not state.credentials.required and settings.binds_loopback:
-        app.add_middleware(LoopbackHostMiddleware, extra_hosts=tuple(h.lower() for h in settings.trusted_hosts))
+    # Keyless, the Host check is the guard against DNS rebinding whatever the bind: a container
+    # binds 0.0.0.0 while its port is published on 127.0.0.1. `*` is the operator opting out.
+    if not state.credentials.required and ANY_HOST not in settings.trusted_hosts:
+        app.add_middleware(HostCheckMiddleware, trusted_hosts=tuple(settings.trusted_hosts))
     return app

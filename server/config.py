@@ -80,8 +80,9 @@ class Settings(BaseSettings):
     )
     trusted_hosts: CommaList = Field(
         default_factory=list,
-        description="Without an API key, a loopback server answers only requests whose Host is localhost, "
-        "127.0.0.1 or [::1] (DNS-rebinding protection); these names are answered too, comma-separated.",
+        description="Without an API key the server answers only requests whose Host is localhost, 127.0.0.1, "
+        "[::1] or one of these names, comma-separated, whatever --host binds (DNS-rebinding protection; 421 "
+        "otherwise); '*' answers any name (only where nothing but trusted clients can reach the port).",
     )
     allowed_origins: CommaList = Field(
         default_factory=list, description="CORS origins allowed to call the API, comma-separated ('*' for any)."

@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: body size limit, API keys and tenants, loopback Host names, one log line per
+"""Pure ASGI middleware: body size limit, API keys and tenants, the keyless Host check, one log line per
 generation request."""
 
 from __future__ import annotations
@@ -112,19 +112,23 @@ class AuthMiddleware:
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+ANY_HOST = "*"
 
 
-class LoopbackHostMiddleware:
-    """With no API key, a server on loopback answers only requests addressed to a loopback name.
+class HostCheckMiddleware:
+    """With no API key, the server answers only requests addressed to a loopback name or to a
+    name in --trusted-hosts, whatever address it binds.
 
-    Otherwise any web page its user opens could rebind its own host name to 127.0.0.1 and
-    use the API from the browser (DNS rebinding): the browser would send that page's host
-    name in `Host`. A 421 names the problem; nothing else is served.
+    Otherwise any web page its user opens could rebind its own host name to the server's
+    address and use the API from the browser (DNS rebinding): the browser would send that
+    page's host name in `Host`. Binding 0.0.0.0 inside a container whose port is published on
+    127.0.0.1 is the same exposure, so the bind address decides nothing. A 421 names the
+    problem; nothing else is served.
     """
 
-    def __init__(self, app: ASGIApp, extra_hosts: tuple[str, ...] = ()):
+    def __init__(self, app: ASGIApp, trusted_hosts: tuple[str, ...] = ()):
         self.app = app
-        self.allowed = {*LOOPBACK_NAMES, *extra_hosts}
+        self.allowed = {*LOOPBACK_NAMES, *(_host_name(h) for h in trusted_hosts)}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _host_name(_header(scope, b"host") or "") in self.allowed:
@@ -132,8 +136,8 @@ class LoopbackHostMiddleware:
             return
         response = error_response(
             421,
-            "this server answers only requests to a loopback address (localhost, 127.0.0.1, [::1]); "
-            "serve with an API key to be reached under other names",
+            "without an API key this server answers only requests to localhost, 127.0.0.1, [::1] or a name in "
+            "--trusted-hosts; serve with an API key, or name this host in --trusted-hosts",
             "invalid_request_error",
             code="misdirected_request",
         )

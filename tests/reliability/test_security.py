@@ -173,6 +173,23 @@ async def test_a_keyless_loopback_server_answers_only_loopback_host_names():
         assert (await http.get("/health", headers={"Host": "specd.example.com"})).status_code == 200
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3"])
+async def test_a_keyless_server_checks_host_names_whatever_it_binds(host):
+    """A container binds 0.0.0.0 keyless while compose publishes the port on 127.0.0.1: a page
+    rebound to 127.0.0.1 reaches it exactly as it would a loopback bind."""
+    async with in_process(host=host, allow_unauthenticated=True) as http:
+        for path in ("/metrics", "/v1/models", "/v1/speculation"):
+            reply = await http.get(path, headers={"Host": "evil.example:8000"})
+            assert reply.status_code == 421, (host, path)
+            assert reply.json()["error"]["code"] == "misdirected_request"
+        assert (await http.get("/metrics", headers={"Host": "localhost:8000"})).status_code == 200
+    async with in_process(host=host, allow_unauthenticated=True, trusted_hosts=["specd"]) as http:
+        assert (await http.get("/metrics", headers={"Host": "specd:8000"})).status_code == 200
+        assert (await http.get("/metrics", headers={"Host": "evil.example"})).status_code == 421
+    async with in_process(host=host, allow_unauthenticated=True, trusted_hosts=["*"]) as http:  # opted out
+        assert (await http.get("/metrics", headers={"Host": "evil.example"})).status_code == 200
+
+
 # -- the model field ---------------------------------------------------------------------
 
 HOSTILE_NAMES = [
