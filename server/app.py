@@ -73,12 +73,14 @@ def model_config(settings: Settings) -> ModelConfig:
 
 def build_components(settings: Settings) -> Components:
     """Load the target (and draft) and build the runner. Slow; run it off the event loop."""
+    from models.chat_escape import plain_encoder
     from models.loader import load_model
     from speculation.config import ProposerConfig
     from worker.builder import build_runner
     from worker.runner import RunnerConfig
 
     loaded = load_model(model_config(settings))
+    plain_encoder(loaded.tokenizer)  # built here, not on the preparation thread by the first escaped chat
     max_model_len = settings.max_model_len or min(DEFAULT_MAX_MODEL_LEN, loaded.max_position_embeddings)
     runner = build_runner(
         loaded,
