@@ -167,7 +167,11 @@ class AppState:
             return
         if settings.kv_events_endpoint:
             self.kv_events = KVEventPublisher(
-                settings.kv_events_endpoint, settings.kv_events_topic, components.scheduler_config.block_size
+                settings.kv_events_endpoint,
+                settings.kv_events_topic,
+                components.scheduler_config.block_size,
+                mode=settings.kv_events_mode,
+                keys=settings.kv_events_keys,
             )
         engine = AsyncEngine(
             components.runner,
@@ -233,6 +237,8 @@ def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -
     """`on_fatal` is called if the model cannot be loaded or the engine loop dies (the CLI then exits 1)."""
     names = served_names(settings)
     credentials = Credentials.load(settings.api_key_value, settings.api_keys)  # CredentialsError: a bad file
+    if settings.kv_events_keys is not None:  # CurveError before the model loads, not after
+        settings.kv_events_keys.check(settings.kv_events_mode)
     metrics = MetricsObserver(names[0], num_speculative_tokens=settings.resolved_num_speculative_tokens)
     state = AppState(settings=settings, metrics=metrics, names=names, credentials=credentials, on_fatal=on_fatal)
 

@@ -273,6 +273,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from server.app import create_app
     from server.auth import CredentialsError
+    from server.zmq_curve import CurveError
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -281,7 +282,7 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         app = create_app(settings, on_fatal=lambda: setattr(server, "should_exit", True))
-    except CredentialsError as exc:
+    except (CredentialsError, CurveError) as exc:
         print(f"specd: error: {exc}", file=sys.stderr)
         return 2
     config = uvicorn.Config(

@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from models.heads import BUNDLED_HEAD_DIR
 from scheduler.types import MAX_SPEC_TOKENS
+from server.zmq_curve import CurveKeys, is_local_endpoint
 from speculation import registry
 
 ENV_PREFIX = "SPECD_"
@@ -109,8 +110,24 @@ class Settings(BaseSettings):
         None,
         description="Publish KV-cache events (blocks stored and evicted, with their token ids) on this ZMQ "
         "PUB endpoint, in vLLM's format, for routers that route by the blocks each replica holds, e.g. "
-        "tcp://*:5557. They carry every tenant's prompt tokens: bind where only the router reaches. Off by "
-        "default.",
+        "tcp://127.0.0.1:5557. They carry every tenant's token ids, prompts AND generated outputs: beyond "
+        "loopback (tcp://*:5557, a routable address) CURVE keys are required (--kv-events-secret-key, "
+        "--kv-events-peer-keys). Off by default.",
+    )
+    kv_events_mode: Literal["bind", "connect"] = Field(
+        "bind",
+        description="--kv-events-endpoint: bind it (subscribers connect, as vLLM does) or connect to a listener there.",
+    )
+    kv_events_secret_key: Path | None = Field(
+        None,
+        description="--kv-events-endpoint: this server's CURVE key pair, a pyzmq certificate NAME.key_secret "
+        "(python -c \"import zmq.auth; zmq.auth.create_certificates('DIR', 'NAME')\"); mode 600. Required beyond "
+        "loopback; the stream is then encrypted and only the peers below may receive it.",
+    )
+    kv_events_peer_keys: Path | None = Field(
+        None,
+        description="With --kv-events-secret-key: bind mode, a directory of the subscribers' public .key files "
+        "(only they are admitted); connect mode, the listener's public .key file.",
     )
     kv_events_topic: str = Field("kv@specd", description="--kv-events-endpoint: the topic frame of every message.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
@@ -312,7 +329,26 @@ class Settings(BaseSettings):
             raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs")
         if self.metrics_auth and not self.has_keys:
             raise ValueError("--metrics-auth needs an API key (--api-key or --api-keys)")
+        self._check_kv_events()
         return self
+
+    def _check_kv_events(self) -> None:
+        """KV events leave the machine only encrypted, to listed peers."""
+        if (self.kv_events_secret_key is None) != (self.kv_events_peer_keys is None):
+            raise ValueError("--kv-events-secret-key and --kv-events-peer-keys go together")
+        endpoint = self.kv_events_endpoint
+        if endpoint and self.kv_events_secret_key is None and not is_local_endpoint(endpoint):
+            raise ValueError(
+                f"--kv-events-endpoint {endpoint} reaches beyond this machine, and the events carry every "
+                "tenant's prompt and output token ids: give CURVE keys (--kv-events-secret-key, "
+                "--kv-events-peer-keys) or publish on a loopback or ipc:// endpoint"
+            )
+
+    @property
+    def kv_events_keys(self) -> CurveKeys | None:
+        if self.kv_events_secret_key is None or self.kv_events_peer_keys is None:
+            return None
+        return CurveKeys(self.kv_events_secret_key, self.kv_events_peer_keys)
 
     def check_exposure(self) -> None:
         """Refuse to serve keyless on an address others can reach, unless told to."""
