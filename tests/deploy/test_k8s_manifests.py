@@ -117,3 +117,18 @@ def test_k8s_router_manifests_validate_and_select_the_specd_pods():
     assert specd_labels[key] == value and "--policy=cache_aware" in args
     kustomization = yaml.safe_load((K8S / "router" / "kustomization.yaml").read_text())
     assert kustomization["images"][0]["digest"].startswith("sha256:")
+
+
+def test_the_router_pod_can_start_as_non_root_with_no_capabilities():
+    """runAsNonRoot needs a numeric user to verify: the image's USER or the pod's runAsUser."""
+    docs = {d["kind"]: d for d in yaml.safe_load_all((K8S / "router" / "router.yaml").read_text())}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert isinstance(pod["securityContext"]["runAsUser"], int) and pod["securityContext"]["runAsUser"] > 0
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    for dockerfile in (DEPLOY / "router" / "Dockerfile", DEPLOY / "Dockerfile"):
+        users = re.findall(r"^USER (\S+)$", dockerfile.read_text(), re.M)
+        uid = users[-1].split(":")[0]
+        assert uid.isdigit() and int(uid) > 0, (dockerfile, users)
