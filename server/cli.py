@@ -293,6 +293,8 @@ def serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         access_log=settings.access_log,
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout),
+        limit_concurrency=settings.limit_concurrency,
+        timeout_keep_alive=settings.timeout_keep_alive,
         lifespan="on",
     )
     server = Server(config)

@@ -91,6 +91,15 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="Largest request body accepted; larger ones get 413."
     )
+    limit_concurrency: int = Field(
+        1024,
+        ge=1,
+        description="Open connections (idle ones included) plus running requests beyond which new requests get "
+        "503 at once: bounds what slow or idle clients hold. Keep it above --max-num-seqs + --max-queue.",
+    )
+    timeout_keep_alive: int = Field(
+        5, ge=1, description="Seconds an idle keep-alive connection stays open before the server closes it."
+    )
     playground: bool = Field(
         True, description="Serve the chat playground page at / and /playground (--no-playground: 404 there)."
     )

@@ -465,3 +465,36 @@ async def test_the_product_app_has_no_debug_routes():
     async with in_process() as http:
         for path in ("/_probe", "/docs", "/redoc", "/debug", "/v1/debug"):
             assert (await http.get(path)).status_code == 404, path
+
+
+def test_idle_connections_count_against_the_connection_limit(tiny_llama_dir, tmp_path):
+    """--limit-concurrency: connections that send nothing cannot pile up without bound; past the
+    limit a request gets 503 at once, and once they close the server answers again."""
+    import socket
+    import time
+
+    from tests.support.server import SpecdServer, serve_args
+
+    args = serve_args(model=tiny_llama_dir, dtype="float32", device="cpu", limit_concurrency=3, timeout_keep_alive=2)
+    server = SpecdServer(args, tmp_path / "limit.log")
+    idle: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(server.url + "/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and server.process.poll() is None, server.log_tail()
+                time.sleep(0.2)
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+        time.sleep(0.3)
+        assert httpx.get(server.url + "/health", timeout=5, trust_env=False).status_code == 503
+        for sock in idle:
+            sock.close()
+        time.sleep(0.3)
+        assert httpx.get(server.url + "/health", timeout=5, trust_env=False).status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        server.kill()
