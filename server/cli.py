@@ -269,6 +269,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"specd: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    if getattr(args, "api_key", None) is not None:
+        logger.warning(
+            "--api-key on the command line shows in the process list (ps, /proc); "
+            "prefer SPECD_API_KEY or an --api-keys file (mode 600)"
+        )
     import uvicorn
 
     from server.app import create_app

@@ -61,18 +61,27 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None,
         description="Require 'Authorization: Bearer KEY' on /v1/* (and on /metrics, see --metrics-auth); the key's "
-        "requests form one tenant, 'default'.",
+        "requests form one tenant, 'default'. 8+ characters. Prefer SPECD_API_KEY or --api-keys: a flag shows in the "
+        "process list (a warning says so).",
     )
     api_keys: Path | None = Field(
         None,
         description="File of API keys, one 'TENANT KEY' pair per line ('#' comments): each key opens /v1/* for its "
         "tenant, and requests share cached prefixes and cross-request drafts only within their tenant (cache_salt "
-        "narrows that further; 'user' isolates nothing). With no key at all, every client is one tenant.",
+        "narrows that further; 'user' isolates nothing). With no key at all, every client is one tenant. Refused if "
+        "group or others may read it (chmod 600); re-read within a second of a change, so keys are added and revoked "
+        "without a restart (a changed file that cannot be used is logged and the old keys stay).",
     )
     metrics_auth: bool | None = Field(
         None,
         description="Require an API key on GET /metrics too (default: yes whenever keys are configured; "
         "--no-metrics-auth leaves it open for a scraper that holds no key).",
+    )
+    metrics_tenants: CommaList = Field(
+        default_factory=list,
+        description="Tenants whose keys may read GET /v1/speculation and GET /metrics (server-wide counts and "
+        "acceptance: every tenant's load together, never content), comma-separated; other keys get 403. Default: "
+        "every tenant.",
     )
     allow_unauthenticated: bool = Field(
         False,
@@ -306,7 +315,7 @@ class Settings(BaseSettings):
                 return float(_BYTES.validate_python(value))
         return value
 
-    @field_validator("allowed_origins", "served_model_name", "trusted_hosts", mode="before")
+    @field_validator("allowed_origins", "served_model_name", "trusted_hosts", "metrics_tenants", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -338,6 +347,8 @@ class Settings(BaseSettings):
             raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs")
         if self.metrics_auth and not self.has_keys:
             raise ValueError("--metrics-auth needs an API key (--api-key or --api-keys)")
+        if self.metrics_tenants and not self.has_keys:
+            raise ValueError("--metrics-tenants needs API keys (--api-keys)")
         self._check_kv_events()
         return self
 

@@ -8,13 +8,14 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.auth import DEFAULT_TENANT, Credentials
+from server.auth import DEFAULT_TENANT, KeyRing
 from server.errors import error_response
 from server.record import RECORD_SCOPE_KEY, RequestRecord
 
 request_logger = logging.getLogger("specd.request")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+OBSERVER_PATHS = ("/metrics", "/v1/speculation")  # server-wide counts: every tenant's load together
 
 
 class BodyLimitMiddleware:
@@ -82,10 +83,13 @@ class AuthMiddleware:
     """`Authorization: Bearer KEY` on /v1/* (and /metrics when asked); the key's tenant goes
     into the scope (`request_tenant`) for the endpoints to key the request's caches by."""
 
-    def __init__(self, app: ASGIApp, credentials: Credentials, protect_metrics: bool):
+    def __init__(
+        self, app: ASGIApp, keys: KeyRing, protect_metrics: bool, observer_tenants: frozenset[str] = frozenset()
+    ):
         self.app = app
-        self.credentials = credentials
+        self.keys = keys
         self.protect_metrics = protect_metrics
+        self.observer_tenants = observer_tenants  # --metrics-tenants; empty: every tenant
 
     def _protected(self, path: str) -> bool:
         return path.startswith("/v1/") or path == "/v1" or (self.protect_metrics and path == "/metrics")
@@ -95,7 +99,7 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         given = (_header(scope, b"authorization") or "").encode("latin-1")
-        tenant = self.credentials.tenant_for(given)
+        tenant = self.keys.current().tenant_for(given)
         if tenant is None:
             message = "missing API key" if not given else "invalid API key"
             response = error_response(
@@ -104,6 +108,16 @@ class AuthMiddleware:
                 "authentication_error",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
+            )
+            await response(scope, receive, send)
+            return
+        if self.observer_tenants and scope["path"] in OBSERVER_PATHS and tenant not in self.observer_tenants:
+            # Server-wide load and acceptance: another tenant's activity, for the tenants named to watch it.
+            response = error_response(
+                403,
+                "this key's tenant may not read server-wide metrics (see --metrics-tenants)",
+                "permission_error",
+                code="insufficient_permissions",
             )
             await response(scope, receive, send)
             return
