@@ -25,11 +25,11 @@ from starlette.middleware.cors import CORSMiddleware
 from scheduler.engine import AsyncEngine, new_step_thread
 from scheduler.metrics import MetricsObserver
 from scheduler.scheduler import SchedulerConfig
-from server.auth import Credentials
+from server.auth import KeyRing
 from server.config import DEFAULT_KV_SEQUENCES, DEFAULT_MAX_MODEL_LEN, Settings
 from server.errors import install_error_handlers
 from server.kv_events import KVEventPublisher
-from server.middleware import AuthMiddleware, BodyLimitMiddleware, LoopbackHostMiddleware, RequestLogMiddleware
+from server.middleware import ANY_HOST, AuthMiddleware, BodyLimitMiddleware, HostCheckMiddleware, RequestLogMiddleware
 from server.playground import playground_router
 from server.routes import router
 from server.serving import ServingContext
@@ -74,12 +74,14 @@ def model_config(settings: Settings) -> ModelConfig:
 
 def build_components(settings: Settings) -> Components:
     """Load the target (and draft) and build the runner. Slow; run it off the event loop."""
+    from models.chat_escape import plain_encoder
     from models.loader import load_model
     from speculation.config import ProposerConfig
     from worker.builder import build_runner
     from worker.runner import RunnerConfig
 
     loaded = load_model(model_config(settings))
+    plain_encoder(loaded.tokenizer)  # built here, not on the preparation thread by the first escaped chat
     max_model_len = settings.max_model_len or min(DEFAULT_MAX_MODEL_LEN, loaded.max_position_embeddings)
     runner = build_runner(
         loaded,
@@ -142,7 +144,7 @@ class AppState:
     settings: Settings
     metrics: MetricsObserver
     names: list[str]
-    credentials: Credentials = field(default_factory=Credentials)
+    keys: KeyRing = field(default_factory=KeyRing)
     on_fatal: Callable[[], None] | None = None
     serving: ServingContext | None = None
     engine: AsyncEngine | None = None
@@ -166,7 +168,11 @@ class AppState:
             return
         if settings.kv_events_endpoint:
             self.kv_events = KVEventPublisher(
-                settings.kv_events_endpoint, settings.kv_events_topic, components.scheduler_config.block_size
+                settings.kv_events_endpoint,
+                settings.kv_events_topic,
+                components.scheduler_config.block_size,
+                mode=settings.kv_events_mode,
+                keys=settings.kv_events_keys,
             )
         engine = AsyncEngine(
             components.runner,
@@ -231,9 +237,12 @@ class AppState:
 def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -> FastAPI:
     """`on_fatal` is called if the model cannot be loaded or the engine loop dies (the CLI then exits 1)."""
     names = served_names(settings)
-    credentials = Credentials.load(settings.api_key_value, settings.api_keys)  # CredentialsError: a bad file
+    keys = KeyRing(settings.api_key_value, settings.api_keys)  # CredentialsError: a bad key or file
+    credentials = keys.credentials
+    if settings.kv_events_keys is not None:  # CurveError before the model loads, not after
+        settings.kv_events_keys.check(settings.kv_events_mode)
     metrics = MetricsObserver(names[0], num_speculative_tokens=settings.resolved_num_speculative_tokens)
-    state = AppState(settings=settings, metrics=metrics, names=names, credentials=credentials, on_fatal=on_fatal)
+    state = AppState(settings=settings, metrics=metrics, names=names, keys=keys, on_fatal=on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -257,9 +266,12 @@ def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -
         app.include_router(playground_router())
     # Added innermost first: CORS sees requests first (preflights need no key), then the Host check.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    if state.credentials.required:
+    if credentials.required:
         app.add_middleware(
-            AuthMiddleware, credentials=state.credentials, protect_metrics=settings.resolved_metrics_auth
+            AuthMiddleware,
+            keys=state.keys,
+            protect_metrics=settings.resolved_metrics_auth,
+            observer_tenants=frozenset(settings.metrics_tenants),
         )
     app.add_middleware(RequestLogMiddleware)
     if settings.allowed_origins:
@@ -269,6 +281,8 @@ def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
         )
-    if not state.credentials.required and settings.binds_loopback:
-        app.add_middleware(LoopbackHostMiddleware, extra_hosts=tuple(h.lower() for h in settings.trusted_hosts))
+    # Keyless, the Host check is the guard against DNS rebinding whatever the bind: a container
+    # binds 0.0.0.0 while its port is published on 127.0.0.1. `*` is the operator opting out.
+    if not credentials.required and ANY_HOST not in settings.trusted_hosts:
+        app.add_middleware(HostCheckMiddleware, trusted_hosts=tuple(settings.trusted_hosts))
     return app

@@ -6,8 +6,10 @@ drafts (suffix decoding's outputs, hence the speculation counts) only within
 one tenant. The tenant comes from the credential, never from the request body:
 
 - `--api-keys FILE`: one `TENANT KEY` pair per line (`#` comments); a request's
-  bearer key names its tenant. Several keys may share a tenant.
-- `--api-key KEY`: one key, one tenant (`default`).
+  bearer key names its tenant. Several keys may share a tenant. The file must not
+  be readable by group or others, and is re-read when it changes (`KeyRing`).
+- `--api-key KEY` (better `SPECD_API_KEY`: a flag shows in the process list): one
+  key of 8+ characters, one tenant (`default`).
 - no key: one tenant; every client shares every cache (a single-user server).
 
 Within its tenant a request may narrow sharing further with `cache_salt`
@@ -20,12 +22,19 @@ whichever matches, so the time taken says nothing about which one is close.
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import secrets
+import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+logger = logging.getLogger("specd.server")
+
 DEFAULT_TENANT = "default"
+RECHECK_SECONDS = 1.0  # how often the keys file's stat is compared
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 MIN_KEY_CHARS = 8
 
@@ -61,6 +70,8 @@ class Credentials:
     def load(cls, api_key: str | None = None, api_keys_file: Path | None = None) -> Credentials:
         pairs: list[tuple[str, str]] = []
         if api_key:
+            if len(api_key) < MIN_KEY_CHARS or not api_key.isprintable():
+                raise CredentialsError(f"--api-key: a key has {MIN_KEY_CHARS}+ printable characters")
             pairs.append((DEFAULT_TENANT, api_key))
         if api_keys_file is not None:
             pairs += read_keys_file(api_keys_file)
@@ -73,11 +84,16 @@ class Credentials:
 
 
 def read_keys_file(path: Path) -> list[tuple[str, str]]:
-    """(tenant, key) pairs of an --api-keys file."""
+    """(tenant, key) pairs of an --api-keys file, refused where group or others may read or write it."""
     try:
+        mode = os.stat(path).st_mode
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise CredentialsError(f"--api-keys {path}: {exc.strerror}") from exc
+    if mode & (stat.S_IRGRP | stat.S_IWGRP | stat.S_IROTH | stat.S_IWOTH):
+        raise CredentialsError(
+            f"--api-keys {path}: readable or writable by group or others (mode {mode & 0o777:o}); chmod 600 it"
+        )
     pairs = []
     for number, line in enumerate(text.splitlines(), start=1):
         line = line.strip()
@@ -97,3 +113,39 @@ def read_keys_file(path: Path) -> list[tuple[str, str]]:
     if not pairs:
         raise CredentialsError(f"--api-keys {path} holds no key")
     return pairs
+
+
+class KeyRing:
+    """The credentials in force, re-read when the --api-keys file changes (mtime, size or inode:
+    an edit, or a new file moved into place) so keys are added and revoked without a restart.
+    A changed file that cannot be used is logged and the keys in force stay."""
+
+    def __init__(self, api_key: str | None = None, api_keys_file: Path | None = None):
+        self.api_key, self.path = api_key, api_keys_file
+        self.credentials = Credentials.load(api_key, api_keys_file)
+        self._stamp = self._file_stamp()
+        self._checked = time.monotonic()
+
+    def current(self) -> Credentials:
+        now = time.monotonic()
+        if self.path is None or now - self._checked < RECHECK_SECONDS:
+            return self.credentials
+        self._checked = now
+        stamp = self._file_stamp()
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self.credentials = Credentials.load(self.api_key, self.path)
+                logger.info("--api-keys %s changed: %d keys in force", self.path, len(self.credentials.keys))
+            except CredentialsError as exc:
+                logger.error("%s; the keys loaded before stay in force", exc)
+        return self.credentials
+
+    def _file_stamp(self) -> tuple[int, int, int] | None:
+        if self.path is None:
+            return None
+        try:
+            info = os.stat(self.path)
+        except OSError:
+            return None
+        return info.st_mtime_ns, info.st_size, info.st_ino

@@ -269,10 +269,16 @@ def serve(args: argparse.Namespace) -> int:
         print(f"specd: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    if getattr(args, "api_key", None) is not None:
+        logger.warning(
+            "--api-key on the command line shows in the process list (ps, /proc); "
+            "prefer SPECD_API_KEY or an --api-keys file (mode 600)"
+        )
     import uvicorn
 
     from server.app import create_app
     from server.auth import CredentialsError
+    from server.zmq_curve import CurveError
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -281,7 +287,7 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         app = create_app(settings, on_fatal=lambda: setattr(server, "should_exit", True))
-    except CredentialsError as exc:
+    except (CredentialsError, CurveError) as exc:
         print(f"specd: error: {exc}", file=sys.stderr)
         return 2
     config = uvicorn.Config(
@@ -292,6 +298,8 @@ def serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         access_log=settings.access_log,
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout),
+        limit_concurrency=settings.limit_concurrency,
+        timeout_keep_alive=settings.timeout_keep_alive,
         lifespan="on",
     )
     server = Server(config)

@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from models.heads import BUNDLED_HEAD_DIR
 from scheduler.types import MAX_SPEC_TOKENS
+from server.zmq_curve import CurveKeys, is_local_endpoint
 from speculation import registry
 
 ENV_PREFIX = "SPECD_"
@@ -60,18 +61,27 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None,
         description="Require 'Authorization: Bearer KEY' on /v1/* (and on /metrics, see --metrics-auth); the key's "
-        "requests form one tenant, 'default'.",
+        "requests form one tenant, 'default'. 8+ characters. Prefer SPECD_API_KEY or --api-keys: a flag shows in the "
+        "process list (a warning says so).",
     )
     api_keys: Path | None = Field(
         None,
         description="File of API keys, one 'TENANT KEY' pair per line ('#' comments): each key opens /v1/* for its "
         "tenant, and requests share cached prefixes and cross-request drafts only within their tenant (cache_salt "
-        "narrows that further; 'user' isolates nothing). With no key at all, every client is one tenant.",
+        "narrows that further; 'user' isolates nothing). With no key at all, every client is one tenant. Refused if "
+        "group or others may read it (chmod 600); re-read within a second of a change, so keys are added and revoked "
+        "without a restart (a changed file that cannot be used is logged and the old keys stay).",
     )
     metrics_auth: bool | None = Field(
         None,
         description="Require an API key on GET /metrics too (default: yes whenever keys are configured; "
         "--no-metrics-auth leaves it open for a scraper that holds no key).",
+    )
+    metrics_tenants: CommaList = Field(
+        default_factory=list,
+        description="Tenants whose keys may read GET /v1/speculation and GET /metrics (server-wide counts and "
+        "acceptance: every tenant's load together, never content), comma-separated; other keys get 403. Default: "
+        "every tenant.",
     )
     allow_unauthenticated: bool = Field(
         False,
@@ -80,14 +90,24 @@ class Settings(BaseSettings):
     )
     trusted_hosts: CommaList = Field(
         default_factory=list,
-        description="Without an API key, a loopback server answers only requests whose Host is localhost, "
-        "127.0.0.1 or [::1] (DNS-rebinding protection); these names are answered too, comma-separated.",
+        description="Without an API key the server answers only requests whose Host is localhost, 127.0.0.1, "
+        "[::1] or one of these names, comma-separated, whatever --host binds (DNS-rebinding protection; 421 "
+        "otherwise); '*' answers any name (only where nothing but trusted clients can reach the port).",
     )
     allowed_origins: CommaList = Field(
         default_factory=list, description="CORS origins allowed to call the API, comma-separated ('*' for any)."
     )
     max_body_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="Largest request body accepted; larger ones get 413."
+    )
+    limit_concurrency: int = Field(
+        1024,
+        ge=1,
+        description="Open connections (idle ones included) plus running requests beyond which new requests get "
+        "503 at once: bounds what slow or idle clients hold. Keep it above --max-num-seqs + --max-queue.",
+    )
+    timeout_keep_alive: int = Field(
+        5, ge=1, description="Seconds an idle keep-alive connection stays open before the server closes it."
     )
     playground: bool = Field(
         True, description="Serve the chat playground page at / and /playground (--no-playground: 404 there)."
@@ -108,8 +128,24 @@ class Settings(BaseSettings):
         None,
         description="Publish KV-cache events (blocks stored and evicted, with their token ids) on this ZMQ "
         "PUB endpoint, in vLLM's format, for routers that route by the blocks each replica holds, e.g. "
-        "tcp://*:5557. They carry every tenant's prompt tokens: bind where only the router reaches. Off by "
-        "default.",
+        "tcp://127.0.0.1:5557. They carry every tenant's token ids, prompts AND generated outputs: beyond "
+        "loopback (tcp://*:5557, a routable address) CURVE keys are required (--kv-events-secret-key, "
+        "--kv-events-peer-keys). Off by default.",
+    )
+    kv_events_mode: Literal["bind", "connect"] = Field(
+        "bind",
+        description="--kv-events-endpoint: bind it (subscribers connect, as vLLM does) or connect to a listener there.",
+    )
+    kv_events_secret_key: Path | None = Field(
+        None,
+        description="--kv-events-endpoint: this server's CURVE key pair, a pyzmq certificate NAME.key_secret "
+        "(python -c \"import zmq.auth; zmq.auth.create_certificates('DIR', 'NAME')\"); mode 600. Required beyond "
+        "loopback; the stream is then encrypted and only the peers below may receive it.",
+    )
+    kv_events_peer_keys: Path | None = Field(
+        None,
+        description="With --kv-events-secret-key: bind mode, a directory of the subscribers' public .key files "
+        "(only they are admitted); connect mode, the listener's public .key file.",
     )
     kv_events_topic: str = Field("kv@specd", description="--kv-events-endpoint: the topic frame of every message.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
@@ -286,7 +322,7 @@ class Settings(BaseSettings):
                 return float(_BYTES.validate_python(value))
         return value
 
-    @field_validator("allowed_origins", "served_model_name", "trusted_hosts", mode="before")
+    @field_validator("allowed_origins", "served_model_name", "trusted_hosts", "metrics_tenants", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -318,7 +354,28 @@ class Settings(BaseSettings):
             raise ValueError("--max-num-batched-tokens must be >= --max-num-seqs")
         if self.metrics_auth and not self.has_keys:
             raise ValueError("--metrics-auth needs an API key (--api-key or --api-keys)")
+        if self.metrics_tenants and not self.has_keys:
+            raise ValueError("--metrics-tenants needs API keys (--api-keys)")
+        self._check_kv_events()
         return self
+
+    def _check_kv_events(self) -> None:
+        """KV events leave the machine only encrypted, to listed peers."""
+        if (self.kv_events_secret_key is None) != (self.kv_events_peer_keys is None):
+            raise ValueError("--kv-events-secret-key and --kv-events-peer-keys go together")
+        endpoint = self.kv_events_endpoint
+        if endpoint and self.kv_events_secret_key is None and not is_local_endpoint(endpoint):
+            raise ValueError(
+                f"--kv-events-endpoint {endpoint} reaches beyond this machine, and the events carry every "
+                "tenant's prompt and output token ids: give CURVE keys (--kv-events-secret-key, "
+                "--kv-events-peer-keys) or publish on a loopback or ipc:// endpoint"
+            )
+
+    @property
+    def kv_events_keys(self) -> CurveKeys | None:
+        if self.kv_events_secret_key is None or self.kv_events_peer_keys is None:
+            return None
+        return CurveKeys(self.kv_events_secret_key, self.kv_events_peer_keys)
 
     def check_exposure(self) -> None:
         """Refuse to serve keyless on an address others can reach, unless told to."""

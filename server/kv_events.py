@@ -15,8 +15,12 @@ data_parallel_rank]`, with each event a tagged positional array:
 (lora_id None; medium "GPU", the engine's own KV tier, whatever the device.) A block hash
 is the first 8 bytes of specd's prefix-cache key as an unsigned 64-bit integer: an opaque
 id, as those scorers treat the engine's hashes (they key blocks by the token ids and the
-parent chain). Events carry every tenant's prompt tokens: bind the endpoint where only the
-router can reach it.
+parent chain).
+
+Events carry every tenant's token ids, prompts and generated outputs alike (an output's
+full blocks are cached too). The socket binds or connects as `--kv-events-mode` says,
+never guessed from the address, and beyond loopback it needs CURVE keys
+(`server/zmq_curve.py`): only subscribers whose public keys the operator listed receive.
 
 The socket lives on a thread of its own (ZMQ sockets are not thread-safe) behind a bounded
 queue: a batch that finds it full is dropped and counted, never holding the engine.
@@ -32,6 +36,7 @@ import time
 import msgpack
 
 from scheduler.kv_blocks import BlockEvent, BlockKey, BlockStored
+from server.zmq_curve import CurveError, CurveKeys, Mode, is_local_endpoint
 
 logger = logging.getLogger("specd.server")
 
@@ -58,24 +63,30 @@ def encode_batch(events: list[BlockEvent], block_size: int, timestamp: float) ->
 
 
 class KVEventPublisher:
-    """Publishes batches of block events on a ZMQ PUB socket: bound where the endpoint has a `*`
-    (as vLLM binds) or is a loopback, 0.0.0.0 or ipc/inproc address; else connected to a
-    listener there."""
+    """Publishes batches of block events on a ZMQ PUB socket, bound to `endpoint` or connected to
+    a listener there (`mode`), with CURVE when `keys` are given (required beyond loopback)."""
 
-    def __init__(self, endpoint: str, topic: str, block_size: int):
+    def __init__(self, endpoint: str, topic: str, block_size: int, mode: Mode = "bind", keys: CurveKeys | None = None):
         import zmq  # only where events are asked for
 
+        if keys is None and not is_local_endpoint(endpoint):
+            raise CurveError(f"KV events on {endpoint} reach beyond this machine: CURVE keys are required")
+        if keys is not None:
+            keys.check(mode)
         self.endpoint, self.topic, self.block_size = endpoint, topic, block_size
         self.dropped = 0
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
-        self._socket: zmq.Socket = zmq.Context.instance().socket(zmq.PUB)
-        if "*" in endpoint or endpoint.startswith(("tcp://127.", "tcp://0.0.0.0", "ipc://", "inproc://")):
+        self._context = zmq.Context()  # its own: the authenticator and the socket share it, and close with it
+        self._socket: zmq.Socket = self._context.socket(zmq.PUB)
+        self._authenticator = keys.apply(self._context, self._socket, mode) if keys is not None else None
+        if mode == "bind":
             self._socket.bind(endpoint)
         else:
             self._socket.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name="specd-kv-events", daemon=True)
         self._thread.start()
-        logger.info("publishing KV-cache events on %s (topic %r)", endpoint, topic)
+        curve = "CURVE" if keys is not None else "plaintext, local only"
+        logger.info("publishing KV-cache events: %s %s (topic %r, %s)", mode, endpoint, topic, curve)
 
     def publish(self, events: list[BlockEvent]) -> None:
         """Queue one step's events (called on the engine loop; never blocks)."""
@@ -101,3 +112,6 @@ class KVEventPublisher:
     def close(self) -> None:
         self._queue.put(_STOP)
         self._thread.join(5)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self._context.term()

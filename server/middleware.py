@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: body size limit, API keys and tenants, loopback Host names, one log line per
+"""Pure ASGI middleware: body size limit, API keys and tenants, the keyless Host check, one log line per
 generation request."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.auth import DEFAULT_TENANT, Credentials
+from server.auth import DEFAULT_TENANT, KeyRing
 from server.errors import error_response
 from server.record import RECORD_SCOPE_KEY, RequestRecord
 
 request_logger = logging.getLogger("specd.request")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+OBSERVER_PATHS = ("/metrics", "/v1/speculation")  # server-wide counts: every tenant's load together
 
 
 class BodyLimitMiddleware:
@@ -82,10 +83,13 @@ class AuthMiddleware:
     """`Authorization: Bearer KEY` on /v1/* (and /metrics when asked); the key's tenant goes
     into the scope (`request_tenant`) for the endpoints to key the request's caches by."""
 
-    def __init__(self, app: ASGIApp, credentials: Credentials, protect_metrics: bool):
+    def __init__(
+        self, app: ASGIApp, keys: KeyRing, protect_metrics: bool, observer_tenants: frozenset[str] = frozenset()
+    ):
         self.app = app
-        self.credentials = credentials
+        self.keys = keys
         self.protect_metrics = protect_metrics
+        self.observer_tenants = observer_tenants  # --metrics-tenants; empty: every tenant
 
     def _protected(self, path: str) -> bool:
         return path.startswith("/v1/") or path == "/v1" or (self.protect_metrics and path == "/metrics")
@@ -95,7 +99,7 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         given = (_header(scope, b"authorization") or "").encode("latin-1")
-        tenant = self.credentials.tenant_for(given)
+        tenant = self.keys.current().tenant_for(given)
         if tenant is None:
             message = "missing API key" if not given else "invalid API key"
             response = error_response(
@@ -107,24 +111,38 @@ class AuthMiddleware:
             )
             await response(scope, receive, send)
             return
+        if self.observer_tenants and scope["path"] in OBSERVER_PATHS and tenant not in self.observer_tenants:
+            # Server-wide load and acceptance: another tenant's activity, for the tenants named to watch it.
+            response = error_response(
+                403,
+                "this key's tenant may not read server-wide metrics (see --metrics-tenants)",
+                "permission_error",
+                code="insufficient_permissions",
+            )
+            await response(scope, receive, send)
+            return
         scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+ANY_HOST = "*"
 
 
-class LoopbackHostMiddleware:
-    """With no API key, a server on loopback answers only requests addressed to a loopback name.
+class HostCheckMiddleware:
+    """With no API key, the server answers only requests addressed to a loopback name or to a
+    name in --trusted-hosts, whatever address it binds.
 
-    Otherwise any web page its user opens could rebind its own host name to 127.0.0.1 and
-    use the API from the browser (DNS rebinding): the browser would send that page's host
-    name in `Host`. A 421 names the problem; nothing else is served.
+    Otherwise any web page its user opens could rebind its own host name to the server's
+    address and use the API from the browser (DNS rebinding): the browser would send that
+    page's host name in `Host`. Binding 0.0.0.0 inside a container whose port is published on
+    127.0.0.1 is the same exposure, so the bind address decides nothing. A 421 names the
+    problem; nothing else is served.
     """
 
-    def __init__(self, app: ASGIApp, extra_hosts: tuple[str, ...] = ()):
+    def __init__(self, app: ASGIApp, trusted_hosts: tuple[str, ...] = ()):
         self.app = app
-        self.allowed = {*LOOPBACK_NAMES, *extra_hosts}
+        self.allowed = {*LOOPBACK_NAMES, *(_host_name(h) for h in trusted_hosts)}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _host_name(_header(scope, b"host") or "") in self.allowed:
@@ -132,8 +150,8 @@ class LoopbackHostMiddleware:
             return
         response = error_response(
             421,
-            "this server answers only requests to a loopback address (localhost, 127.0.0.1, [::1]); "
-            "serve with an API key to be reached under other names",
+            "without an API key this server answers only requests to localhost, 127.0.0.1, [::1] or a name in "
+            "--trusted-hosts; serve with an API key, or name this host in --trusted-hosts",
             "invalid_request_error",
             code="misdirected_request",
         )

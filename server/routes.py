@@ -49,6 +49,11 @@ async def ready(request: Request) -> JSONResponse:
     if state.serving is None or state.draining:
         reason = "draining" if state.draining else ("failed" if state.load_error else "loading")
         return JSONResponse({"status": reason}, status_code=503, headers={"Retry-After": "1"})
+    # The model id may be a local path: only a caller holding a key (or any, on a keyless server) sees it.
+    credentials = state.keys.current()
+    authorization = (request.headers.get("authorization") or "").encode("latin-1")
+    if credentials.required and credentials.tenant_for(authorization) is None:
+        return JSONResponse({"status": "ready"})
     return JSONResponse({"status": "ready", "model": state.serving.model_id})
 
 

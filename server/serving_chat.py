@@ -11,7 +11,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 from jinja2 import TemplateError
 
-from models.chat_template import chat_text
+from models.chat_escape import chat_ids
 from scheduler.types import InvalidRequestError, TokenConstraint
 from server.choices import (
     Choice,
@@ -163,7 +163,8 @@ def render_prompt(ctx: ServingContext, req: ChatCompletionRequest, messages: lis
         )
     tokenizer = ctx.tokenizer
     try:
-        text = chat_text(
+        # Content of system, user and tool messages stays text: typed control tokens forge nothing.
+        return chat_ids(
             tokenizer,
             messages,
             add_generation_prompt=req.add_generation_prompt,
@@ -179,7 +180,6 @@ def render_prompt(ctx: ServingContext, req: ChatCompletionRequest, messages: lis
         # A client can cause this at will: one line, no traceback to flood the log with.
         logger.warning("the chat template failed: %r", exc)
         raise BadRequestError("the chat template could not render these messages", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 @dataclass

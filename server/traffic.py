@@ -4,8 +4,9 @@ A line holds what the client sent (chat `messages`, or the text `prompt`), what 
 choice returned (`outputs`: text and finish reason), the tenant it came from, the
 model id, the endpoint, the request id and the UTC time. It is user data: the file
 is off by default, created readable by its owner only (0600), never written through
-a symbolic link, and rotated by size (`FILE` becomes `FILE.1` past
-`--record-traffic-max-bytes`; the one before is gone), so it cannot fill the disk.
+a symbolic link nor into a file another user created or others may read, and rotated
+by size (`FILE` becomes `FILE.1` past `--record-traffic-max-bytes`; the one before is
+gone), so it cannot fill the disk.
 
 Lines are written in order by one worker thread, never on the event loop. Its queue
 is bounded: a request whose line finds it full is not recorded (counted in
@@ -121,5 +122,14 @@ class TrafficLog:
 
 
 def _open(path: Path) -> int:
-    """Append-only, created 0600, refusing a symbolic link at `path` (ELOOP)."""
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """Append-only, created 0600, refusing a symbolic link at `path` (ELOOP), and a file someone
+    else created first or others may read: its owner and mode would be kept (PermissionError)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        os.close(fd)
+        raise PermissionError(
+            f"{path} is owned by uid {info.st_uid} with mode {info.st_mode & 0o777:o}; "
+            f"user data goes only into a file of this server's (uid {os.geteuid()}) with mode 600"
+        )
+    return fd

@@ -92,7 +92,7 @@ def train_draft(config: TrainDraftConfig, started: float | None = None) -> dict:
 
     files = (shipped_prompt_files() if config.shipped_prompts else []) + list(config.prompt_files)
     prompts = read_prompt_files(files)  # before the model loads: a bad file fails at once
-    eval_prompts = {str(path): read_prompt_files([path]) for path in config.eval_prompt_files}
+    eval_prompts = {prompt_file_label(path): read_prompt_files([path]) for path in config.eval_prompt_files}
     logger.info("%d training prompts from %d files", len(prompts), len(files))
     loaded = load_model(config.model)
     lap("load")
@@ -181,6 +181,14 @@ def _training_minutes(config: TrainDraftConfig, seconds_left: float) -> float:
     return minutes
 
 
+def prompt_file_label(path: Path) -> str:
+    """How a head's record names a prompt file: the shipped set by its place in specd, any other by
+    its base name. A head gets shared, and an absolute path tells others about this machine
+    (user names, directory layout)."""
+    path = Path(path)
+    return f"specd:training/prompts/{path.name}" if path.parent == SHIPPED_DIR else path.name
+
+
 def _data_record(
     files: list[Path],
     prompts: list[TrainingPrompt],
@@ -189,8 +197,7 @@ def _data_record(
     config: TrainDraftConfig,
 ) -> dict:
     return {
-        # The shipped set by its place in specd (no machine's paths in a head that gets shared).
-        "prompt_files": [f"specd:training/prompts/{f.name}" if f.parent == SHIPPED_DIR else str(f) for f in files],
+        "prompt_files": [prompt_file_label(f) for f in files],
         "prompts": len(prompts),
         "prompts_answered": len(train_set) + len(held_out),  # within the answering budget
         "sequences_train": len(train_set),

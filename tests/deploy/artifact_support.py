@@ -76,6 +76,9 @@ def merge_compose(base, override):
             if key == "environment":
                 env = env_map(base.get(key, [])) | env_map(value)
                 merged[key] = [k if v is None else f"{k}={v}" for k, v in env.items()]
+            elif key == "volumes" and isinstance(value, list):  # service mounts: merged by target path
+                mounts = {m.split(":")[1]: m for m in base.get(key) or []} | {m.split(":")[1]: m for m in value}
+                merged[key] = list(mounts.values())
             else:
                 merged[key] = merge_compose(base.get(key), value) if key in base else value
             if merged[key] is None or value is RESET:

@@ -82,7 +82,7 @@ def test_compose_cpu_override_drops_the_gpu():
 
 def test_replicas_overlay_puts_two_replicas_behind_the_router_and_scrapes_them():
     services = merge_compose(compose(), compose("docker-compose.replicas.yml"))["services"]
-    assert {"specd", "specd-2", "router", "prometheus", "grafana"} == set(services)
+    assert {"keygen", "specd", "specd-2", "router", "prometheus", "grafana"} == set(services)
     router = services["router"]
     command = router["command"]
     workers = command[command.index("--worker-urls") + 1 : command.index("--worker-urls") + 3]

@@ -27,7 +27,7 @@ def test_k8s_manifests_validate_offline():
         "kubernetes_validate", reason="kubernetes-validate not installed (test extra)"
     )
     version = kubernetes_validate.latest_version()
-    builtin = ("Deployment", "Service", "HorizontalPodAutoscaler")
+    builtin = ("Deployment", "Service", "HorizontalPodAutoscaler", "NetworkPolicy")
     for kind, doc in k8s_docs().items():
         if kind in builtin:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -87,6 +87,22 @@ def test_k8s_manifests_fit_together():
     assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
 
 
+def test_the_network_policy_admits_kv_events_from_the_router_alone():
+    docs = k8s_docs()
+    policy = docs["NetworkPolicy"]
+    labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]  # selected: anything not listed is refused
+    (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    api_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    rules = {rule["ports"][0]["port"]: rule.get("from") for rule in policy["spec"]["ingress"]}
+    assert set(rules) == {api_port, 5557}
+    router = yaml.safe_load_all((K8S / "router" / "router.yaml").read_text())
+    router_labels = next(d for d in router if d["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
+    (source,) = rules[5557]
+    assert source["podSelector"]["matchLabels"].items() <= router_labels.items()
+
+
 def test_k8s_router_manifests_validate_and_select_the_specd_pods():
     docs = {}
     for doc in yaml.safe_load_all((K8S / "router" / "router.yaml").read_text()):
@@ -101,3 +117,18 @@ def test_k8s_router_manifests_validate_and_select_the_specd_pods():
     assert specd_labels[key] == value and "--policy=cache_aware" in args
     kustomization = yaml.safe_load((K8S / "router" / "kustomization.yaml").read_text())
     assert kustomization["images"][0]["digest"].startswith("sha256:")
+
+
+def test_the_router_pod_can_start_as_non_root_with_no_capabilities():
+    """runAsNonRoot needs a numeric user to verify: the image's USER or the pod's runAsUser."""
+    docs = {d["kind"]: d for d in yaml.safe_load_all((K8S / "router" / "router.yaml").read_text())}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert isinstance(pod["securityContext"]["runAsUser"], int) and pod["securityContext"]["runAsUser"] > 0
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    for dockerfile in (DEPLOY / "router" / "Dockerfile", DEPLOY / "Dockerfile"):
+        users = re.findall(r"^USER (\S+)$", dockerfile.read_text(), re.M)
+        uid = users[-1].split(":")[0]
+        assert uid.isdigit() and int(uid) > 0, (dockerfile, users)

@@ -173,7 +173,16 @@ def test_promtool_alert_unit_tests(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_promtool_checks_the_replicas_config():
+def test_promtool_checks_the_replicas_config(tmp_path):
+    """With the credentials file compose's keygen writes, here in a temporary directory."""
     promtool = need("promtool")
-    result = run([promtool, "check", "config", str(DEPLOY / "prometheus" / "prometheus.replicas.yml")])
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.replicas.yml").read_text())
+    (specd_job,) = [job for job in config["scrape_configs"] if job["job_name"] == "specd"]
+    assert specd_job["authorization"]["credentials_file"] == "/run/specd-keys/api-key"
+    specd_job["authorization"]["credentials_file"] = str(tmp_path / "api-key")
+    (tmp_path / "api-key").write_text("k" * 32 + "\n")
+    config["rule_files"] = [str(RULES)]
+    path = tmp_path / "prometheus.replicas.yml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    result = run([promtool, "check", "config", str(path)])
     assert result.returncode == 0, result.stdout + result.stderr

@@ -88,13 +88,13 @@ def in_process(**settings) -> httpx.AsyncClient:
 
 
 async def test_metrics_needs_the_key_unless_told_otherwise():
-    async with in_process(api_key="k") as http:  # a key configured: /metrics is closed by default
+    async with in_process(api_key="k" * 8) as http:  # a key configured: /metrics is closed by default
         assert (await http.get("/metrics")).status_code == 401
         assert (await http.get("/metrics", headers={"Authorization": "Bearer wrong"})).status_code == 401
-        assert (await http.get("/metrics", headers={"Authorization": "Bearer k"})).status_code == 200
+        assert (await http.get("/metrics", headers={"Authorization": "Bearer " + "k" * 8})).status_code == 200
         assert (await http.get("/health")).status_code == 200
         assert (await http.get("/ready")).status_code == 503  # loading (no model here), not 401
-    async with in_process(api_key="k", metrics_auth=False) as http:  # --no-metrics-auth: an explicit choice
+    async with in_process(api_key="k" * 8, metrics_auth=False) as http:  # --no-metrics-auth: an explicit choice
         assert (await http.get("/metrics")).status_code == 200
     async with in_process() as http:  # no key anywhere (a loopback server): nothing to ask for
         assert (await http.get("/metrics")).status_code == 200
@@ -114,18 +114,20 @@ async def test_the_key_is_judged_by_compare_digest_alone(monkeypatch, verdict):
         return {"honest": real(given, expected), "always-true": True, "always-false": False}[verdict]
 
     monkeypatch.setattr(server.auth.secrets, "compare_digest", spy)
-    async with in_process(api_key="s3cret") as http:
-        right = await http.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+    async with in_process(api_key="s3cret-key") as http:
+        right = await http.get("/v1/models", headers={"Authorization": "Bearer s3cret-key"})
         wrong = await http.get("/v1/models", headers={"Authorization": "Bearer guess"})
         missing = await http.get("/v1/models")
     passed = {"honest": (True, False, False), "always-true": (True, True, True), "always-false": (False, False, False)}
     assert tuple(r.status_code != 401 for r in (right, wrong, missing)) == passed[verdict]
-    assert calls == [(b"Bearer s3cret", b"Bearer s3cret"), (b"Bearer guess", b"Bearer s3cret"), (b"", b"Bearer s3cret")]
+    expected = b"Bearer s3cret-key"
+    assert calls == [(expected, expected), (b"Bearer guess", expected), (b"", expected)]
 
 
 async def test_every_key_of_a_keys_file_is_compared_whichever_matches(monkeypatch, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# tenant key\nalpha key-alpha-1\nbeta key-beta-22\n\nalpha key-alpha-3\n")
+    keys.chmod(0o600)
     real = server.auth.secrets.compare_digest
     calls = []
 
@@ -154,6 +156,7 @@ async def test_every_key_of_a_keys_file_is_compared_whichever_matches(monkeypatc
 def test_a_keys_file_that_cannot_be_used_is_refused_with_its_line(tmp_path, text, message):
     keys = tmp_path / "keys"
     keys.write_text(text)
+    keys.chmod(0o600)
     with pytest.raises(server.auth.CredentialsError, match=re.escape(message)):
         server.auth.Credentials.load(api_keys_file=keys)
 
@@ -171,6 +174,23 @@ async def test_a_keyless_loopback_server_answers_only_loopback_host_names():
         assert (await http.get("/health", headers={"Host": "specd.internal:8000"})).status_code == 200
     async with in_process(api_key="k" * 12) as http:  # a key: the key is the guard, any name is served
         assert (await http.get("/health", headers={"Host": "specd.example.com"})).status_code == 200
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3"])
+async def test_a_keyless_server_checks_host_names_whatever_it_binds(host):
+    """A container binds 0.0.0.0 keyless while compose publishes the port on 127.0.0.1: a page
+    rebound to 127.0.0.1 reaches it exactly as it would a loopback bind."""
+    async with in_process(host=host, allow_unauthenticated=True) as http:
+        for path in ("/metrics", "/v1/models", "/v1/speculation"):
+            reply = await http.get(path, headers={"Host": "evil.example:8000"})
+            assert reply.status_code == 421, (host, path)
+            assert reply.json()["error"]["code"] == "misdirected_request"
+        assert (await http.get("/metrics", headers={"Host": "localhost:8000"})).status_code == 200
+    async with in_process(host=host, allow_unauthenticated=True, trusted_hosts=["specd"]) as http:
+        assert (await http.get("/metrics", headers={"Host": "specd:8000"})).status_code == 200
+        assert (await http.get("/metrics", headers={"Host": "evil.example"})).status_code == 421
+    async with in_process(host=host, allow_unauthenticated=True, trusted_hosts=["*"]) as http:  # opted out
+        assert (await http.get("/metrics", headers={"Host": "evil.example"})).status_code == 200
 
 
 # -- the model field ---------------------------------------------------------------------
@@ -298,7 +318,7 @@ async def test_cors_is_off_unless_origins_are_allowed(chaos_server):
         chaos_server.base_url + "/models", headers={**chaos_server.headers, "Origin": "http://evil.example"}, timeout=30
     )
     assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
-    async with in_process(api_key="k", allowed_origins="http://ui.example") as http:
+    async with in_process(api_key="k" * 8, allowed_origins="http://ui.example") as http:
         allowed = await http.options("/v1/chat/completions", headers={**preflight, "Origin": "http://ui.example"})
         assert allowed.headers["access-control-allow-origin"] == "http://ui.example"
         refused = await http.options("/v1/chat/completions", headers=preflight)
@@ -448,3 +468,117 @@ async def test_the_product_app_has_no_debug_routes():
     async with in_process() as http:
         for path in ("/_probe", "/docs", "/redoc", "/debug", "/v1/debug"):
             assert (await http.get(path)).status_code == 404, path
+
+
+def test_idle_connections_count_against_the_connection_limit(tiny_llama_dir, tmp_path):
+    """--limit-concurrency: connections that send nothing cannot pile up without bound; past the
+    limit a request gets 503 at once, and once they close the server answers again."""
+    import socket
+    import time
+
+    from tests.support.server import SpecdServer, serve_args
+
+    args = serve_args(model=tiny_llama_dir, dtype="float32", device="cpu", limit_concurrency=3, timeout_keep_alive=2)
+    server = SpecdServer(args, tmp_path / "limit.log")
+    idle: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(server.url + "/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and server.process.poll() is None, server.log_tail()
+                time.sleep(0.2)
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+        time.sleep(0.3)
+        assert httpx.get(server.url + "/health", timeout=5, trust_env=False).status_code == 503
+        for sock in idle:
+            sock.close()
+        time.sleep(0.3)
+        assert httpx.get(server.url + "/health", timeout=5, trust_env=False).status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        server.kill()
+
+
+# -- keys: length, file mode, reload; what /ready tells whom ------------------------------
+
+
+def test_a_short_api_key_is_refused():
+    with pytest.raises(server.auth.CredentialsError, match="8\\+ printable"):
+        create_app(Settings(model="unused", api_key="short"))
+
+
+def test_api_key_on_the_command_line_is_warned_about(capsys):
+    from server.cli import main
+
+    assert main(["serve", "--model", "/nonexistent", "--api-key", "short"]) == 2
+    err = capsys.readouterr().err
+    assert "shows in the process list" in err and "--api-key: a key has 8+" in err
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
+def test_a_keys_file_others_can_read_or_write_is_refused(tmp_path, mode):
+    keys = tmp_path / "keys"
+    keys.write_text("alpha key-alpha-1\n")
+    keys.chmod(mode)
+    with pytest.raises(server.auth.CredentialsError, match="chmod 600"):
+        server.auth.Credentials.load(api_keys_file=keys)
+
+
+async def test_the_keys_file_is_reloaded_when_it_changes(tmp_path, monkeypatch):
+    """A key added works and a key removed stops working, without a restart; a broken edit keeps
+    the keys in force."""
+    monkeypatch.setattr(server.auth, "RECHECK_SECONDS", 0.0)
+    keys = tmp_path / "keys"
+    keys.write_text("alpha key-alpha-1\n")
+    keys.chmod(0o600)
+
+    def rewrite(text: str) -> None:
+        replacement = tmp_path / "keys.new"
+        replacement.write_text(text)
+        replacement.chmod(0o600)
+        os.replace(replacement, keys)  # a new inode: seen whatever the mtime granularity
+
+    def auth(key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    async with in_process(api_keys=keys) as http:
+        assert (await http.get("/v1/models", headers=auth("key-alpha-1"))).status_code == 503  # past the key
+        rewrite("beta key-beta-22\n")
+        assert (await http.get("/v1/models", headers=auth("key-alpha-1"))).status_code == 401
+        assert (await http.get("/v1/models", headers=auth("key-beta-22"))).status_code == 503
+        rewrite("beta short\n")  # unusable: logged, the keys in force stay
+        assert (await http.get("/v1/models", headers=auth("key-beta-22"))).status_code == 503
+
+
+async def test_ready_names_the_model_only_to_a_key_holder():
+    """The model id may be a local path; /ready is open to probes, so it tells them only 'ready'."""
+    app = create_app(Settings(model="/srv/models/private-model", api_key="k" * 8))
+    state = app.state.specd
+    state.serving = type("Serving", (), {"model_id": "/srv/models/private-model"})()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
+        anonymous = await http.get("/ready")
+        assert anonymous.status_code == 200 and anonymous.json() == {"status": "ready"}
+        wrong = await http.get("/ready", headers={"Authorization": "Bearer wrong-key"})
+        assert "model" not in wrong.json()
+        holder = await http.get("/ready", headers={"Authorization": "Bearer " + "k" * 8})
+        assert holder.json() == {"status": "ready", "model": "/srv/models/private-model"}
+
+
+async def test_only_the_named_tenants_read_server_wide_load(tmp_path):
+    """--metrics-tenants: /metrics and /v1/speculation count every tenant's requests together;
+    a tenant not named to watch them gets 403, while its own API calls go on."""
+    keys = tmp_path / "keys"
+    keys.write_text("ops key-ops-0001\nalpha key-alpha-1\n")
+    keys.chmod(0o600)
+    async with in_process(api_keys=keys, metrics_tenants=["ops"]) as http:
+        for path in ("/metrics", "/v1/speculation"):
+            reply = await http.get(path, headers={"Authorization": "Bearer key-alpha-1"})
+            assert reply.status_code == 403 and reply.json()["error"]["type"] == "permission_error", path
+        ops = await http.get("/metrics", headers={"Authorization": "Bearer key-ops-0001"})
+        assert ops.status_code == 200
+        assert (await http.get("/v1/speculation", headers={"Authorization": "Bearer key-ops-0001"})).status_code == 503
+        assert (await http.get("/v1/models", headers={"Authorization": "Bearer key-alpha-1"})).status_code == 503

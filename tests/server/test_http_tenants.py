@@ -20,6 +20,7 @@ def two_tenants(tiny_llama_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tenants")
     keys = logs / "api-keys"
     keys.write_text("".join(f"{tenant} {key}\n" for tenant, key in KEYS.items()))
+    keys.chmod(0o600)
     args = serve_args(
         model=tiny_llama_dir, served_model_name="m", dtype="float32", device="cpu", api_keys=keys,
         draft="suffix", num_speculative_tokens=4, spec_adaptive=False,

@@ -9,6 +9,7 @@ import threading
 from types import SimpleNamespace
 
 import httpx
+import pytest
 
 from server.traffic import TrafficLog
 from tests.support.server import finish_server, serve_args, start_server
@@ -80,6 +81,26 @@ def test_a_symbolic_link_is_never_written_through(tmp_path, caplog):
         log.close()
     assert target.read_text() == ""  # O_NOFOLLOW: the link's target is untouched
     assert any("cannot append" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("planted", ["readable by others", "another user's"])
+def test_a_file_someone_else_created_first_is_never_written(tmp_path, caplog, planted):
+    """Appending would keep the planted file's owner and mode: its creator would read user data."""
+    path = tmp_path / "traffic.jsonl"
+    path.write_text("")
+    if planted == "readable by others":
+        path.chmod(0o644)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a file to another user")
+        path.chmod(0o600)
+        os.chown(path, 65534, 65534)
+    with caplog.at_level(logging.WARNING, logger="specd.server"):
+        log = TrafficLog(path, "model")
+        log.recorder("/v1/completions", "cmpl-1", "a", {"prompt": "secret"})(GEN)  # type: ignore[arg-type]
+        log.close()
+    assert path.read_text() == ""
+    assert any("mode 600" in r.getMessage() for r in caplog.records)
 
 
 def test_the_file_rotates_by_size_and_each_line_names_its_tenant(tmp_path):

@@ -31,15 +31,15 @@ async def test_health_is_up_while_ready_and_generation_wait_for_the_model():
 
 @pytest.mark.parametrize("metrics_auth, status", [(False, 200), (True, 401)])
 async def test_metrics_auth(metrics_auth, status):
-    async with client_for(api_key="k", metrics_auth=metrics_auth) as http:
+    async with client_for(api_key="k" * 8, metrics_auth=metrics_auth) as http:
         assert (await http.get("/metrics")).status_code == status
-        assert (await http.get("/metrics", headers={"Authorization": "Bearer k"})).status_code == 200
+        assert (await http.get("/metrics", headers={"Authorization": "Bearer " + "k" * 8})).status_code == 200
         assert (await http.get("/health")).status_code == 200
         assert (await http.get("/v1/models")).status_code == 401
 
 
 async def test_cors_preflight_needs_no_key():
-    async with client_for(api_key="k", allowed_origins="http://ui.example") as http:
+    async with client_for(api_key="k" * 8, allowed_origins="http://ui.example") as http:
         preflight = await http.options(
             "/v1/chat/completions",
             headers={
@@ -56,7 +56,7 @@ async def test_cors_preflight_needs_no_key():
 
 @pytest.mark.parametrize("path", ["/", "/playground"])
 async def test_playground_page_is_served_without_a_key(path):
-    async with client_for(api_key="k") as http:
+    async with client_for(api_key="k" * 8) as http:
         page = await http.get(path)
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "connect-src 'self'" in page.headers["content-security-policy"]

@@ -222,5 +222,6 @@ def test_serve_refuses_a_keyless_public_bind_before_loading_anything(clean_env, 
 def test_a_keys_file_that_cannot_be_read_stops_serve_with_its_reason(clean_env, tmp_path, capsys):
     keys = tmp_path / "keys"
     keys.write_text("alpha short\n")
+    keys.chmod(0o600)
     assert main(["serve", "--model", "/nonexistent", "--api-keys", str(keys)]) == 2
     assert "line 1: a key has 8+" in capsys.readouterr().err

@@ -38,7 +38,9 @@ def test_train_draft_writes_a_head_for_its_model_only(tiny_llama_dir, tiny_qwen2
     assert record["data"]["prompts"] == 16 and record["data"]["sequences_held_out"] == 4
     assert record["draft_vocab"]["size"] == 100 and 0 < record["draft_vocab"]["coverage_train"] <= 1
     assert len(record["held_out"]["per_position"]) == 4 and record["held_out_curve"][0]["step"] == 0
-    assert list(record["eval_prompts"]) == [str(evals)] and record["eval_prompts"][str(evals)]["num_chains"] > 0
+    assert list(record["eval_prompts"]) == ["eval.jsonl"] and record["eval_prompts"]["eval.jsonl"]["num_chains"] > 0
+    # Files by base name: no path of this machine in a head that gets shared.
+    assert record["data"]["prompt_files"] == ["mine.jsonl"] and str(tmp_path) not in json.dumps(record)
     assert set(record["phase_minutes"]) == {"load", "generate", "record", "train", "evaluate"}
 
     llama = load_model(ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"))
