@@ -360,3 +360,20 @@ def test_blocked_argmax_is_torch_argmax_ties_included(shape):
     assert torch.equal(argmax(x), x.argmax(dim=-1))
     x = torch.randn(shape, generator=g)
     assert torch.equal(argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [7, 320, 49152, 151936])
+def test_the_two_level_draw_is_the_inverse_cdf_and_a_rows_own(vocab):
+    """Block sums then one block's running sum pick the id a running sum over the whole
+    vocabulary picks, and each row's id alone is its id in a batch (so the plain path, a
+    verify and a coupled draft draw a position alike)."""
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(8, 3, vocab, generator=g).pow(8).softmax(-1)
+    probs[0, 0, : vocab // 2] = 0.0  # zero mass is never picked
+    u = torch.rand(8, 3, generator=g, dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    expected = torch.searchsorted(cdf, (u[..., None] * cdf[..., -1:]).contiguous(), right=True).squeeze(-1)
+    drawn = sample_from_probs(probs, u)
+    assert torch.equal(drawn, expected.clamp(max=vocab - 1))
+    alone = torch.stack([sample_from_probs(probs[r, j], u[r, j]) for r in range(8) for j in range(3)])
+    assert torch.equal(alone.view(8, 3), drawn)

@@ -42,6 +42,7 @@ def runners(target, tiny_draft_dir, tiny_llama_head_dir):
     return {
         "none": build_runner(target, config, ProposerConfig("none")),
         "ngram": build_runner(target, config, ProposerConfig("ngram")),
+        "suffix": build_runner(target, config, ProposerConfig("suffix")),
         "draft_model": build_runner(target, config, ProposerConfig("draft_model", str(tiny_draft_dir))),
         "eagle": build_runner(target, config, ProposerConfig("eagle", draft_head=str(tiny_llama_head_dir))),
     }
@@ -79,7 +80,7 @@ def test_tokens_do_not_depend_on_the_batch_or_on_speculation(target, runners, te
     assert same_tokens(alone, batched) == NUM_PROMPTS * MAX_TOKENS
     again = generate(target, runners["none"], everyone, False, temperature)  # every prompt now a cached prefix
     assert same_tokens(again, batched) == NUM_PROMPTS * MAX_TOKENS
-    for method in ("ngram", "draft_model", "eagle"):
+    for method in ("ngram", "suffix", "draft_model", "eagle"):
         for mode in (True, "auto"):
             spec = generate(target, runners[method], everyone, mode, temperature)
             assert same_tokens(spec, batched) == NUM_PROMPTS * MAX_TOKENS, (method, mode)
