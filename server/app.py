@@ -198,6 +198,7 @@ class AppState:
             forced_speculation=settings.forced_speculation,
             eos_token_ids=list(loaded.eos_token_ids),
             on_grammar_compiled=self.metrics.observe_grammar_compile,
+            max_prep_queue=settings.max_prep_queue,
         )
         logger.info(
             "ready: serving %s as %s (max_model_len=%d, max_num_seqs=%d)",
@@ -220,6 +221,8 @@ class AppState:
             # uvicorn has already waited --shutdown-timeout for open requests; abort what is left.
             await self.engine.stop(timeout=1.0)
             self.metrics.set_queue_state(self.engine.scheduler.queue_state())
+        if self.serving is not None:
+            self.serving.prep.shutdown()
         if self.serving is not None and self.serving.traffic is not None:
             self.serving.traffic.close()  # the last lines reach the file
         if self.kv_events is not None:
