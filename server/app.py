@@ -29,8 +29,15 @@ from server.auth import Credentials
 from server.config import DEFAULT_KV_SEQUENCES, DEFAULT_MAX_MODEL_LEN, Settings
 from server.errors import install_error_handlers
 from server.kv_events import KVEventPublisher
-from server.middleware import AuthMiddleware, BodyLimitMiddleware, LoopbackHostMiddleware, RequestLogMiddleware
+from server.middleware import (
+    MAX_OTHER_JSON_VALUES,
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    LoopbackHostMiddleware,
+    RequestLogMiddleware,
+)
 from server.playground import playground_router
+from server.protocol import MAX_CHOICES
 from server.routes import router
 from server.serving import ServingContext
 from server.traffic import TrafficLog
@@ -258,7 +265,10 @@ def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -
     if settings.playground:
         app.include_router(playground_router())
     # Added innermost first: CORS sees requests first (preflights need no key), then the Host check.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    # A body's JSON values: every prompt's token ids at the longest context (the default's, which
+    # bounds the model's own), and the rest.
+    max_values = MAX_CHOICES * (settings.max_model_len or DEFAULT_MAX_MODEL_LEN) + MAX_OTHER_JSON_VALUES
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, max_values=max_values)
     if state.credentials.required:
         app.add_middleware(
             AuthMiddleware, credentials=state.credentials, protect_metrics=settings.resolved_metrics_auth

@@ -113,10 +113,18 @@ def check_prompt_count(prompts: list, n: int = 1) -> None:
 
 
 def check_prompt_sizes(ctx: ServingContext, prompts: list) -> None:
-    """400 for a text prompt that cannot fit the context, judged before it is tokenized."""
-    for item in prompts:
+    """400 for a prompt that cannot fit the context, judged by its length alone: text before it is
+    tokenized, token ids before any id is looked at (on the event loop, so never one by one)."""
+    for item in [prompts] if isinstance(prompts[0], int) else prompts:
         if isinstance(item, str):
             ctx.check_text_size(len(item), "prompt")
+        elif len(item) >= ctx.max_model_len:
+            raise BadRequestError(
+                f"this model's maximum context length is {ctx.max_model_len} tokens, but the prompt has "
+                f"{len(item)} tokens",
+                param="prompt",
+                code="context_length_exceeded",
+            )
 
 
 async def render_completion(ctx: ServingContext, req: CompletionRequest, raw: HTTPRequest) -> Response:
