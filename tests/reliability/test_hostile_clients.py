@@ -12,7 +12,8 @@ the battery (every size-bound case scaled to those limits: ~1.4M-prompt renders,
 prompts, bodies of a million lists), the hostile tenant floods the preparation queue once an
 attacked round with more renders than it holds; each gets its tokens or a 503 with
 Retry-After, while an honest tenant's render sent in the middle of the flood is served in its
-turn, in under a second.
+turn, in under a second (the hostile tenant's own battery requests may meet its flood: 503
+`queue_full`, counted).
 
 Timing-sensitive, so marked `slow` (make test runs it in its own step); figures are
 printed in the suite's closing table and kept in docs/reliability.md.
@@ -235,9 +236,13 @@ async def test_hostile_clients_get_clean_errors_while_honest_streams_keep_pace(h
             thread.join(60)
 
     expected = {c.name: c for c in bad}
+    shed_own = 0  # the hostile tenant's own requests shed while its flood filled the preparation queue
     for name, status, seconds, body in hostility.errors:
         case = expected[name]
-        assert status == case.status, (name, status, body)
+        if status == 503 and body.get("error", {}).get("code") == "queue_full":
+            shed_own += 1
+        else:
+            assert status == case.status, (name, status, body)
         assert set(body) == {"error"} and body["error"]["message"], (name, body)
         assert seconds < MAX_ERROR_SECONDS, (name, seconds)
     ratios = [rounds[i][1] / statistics.mean((rounds[i - 1][1], rounds[i + 1][1])) for i in range(1, len(rounds), 2)]
@@ -247,6 +252,7 @@ async def test_hostile_clients_get_clean_errors_while_honest_streams_keep_pace(h
     tally.cases_tried += len(hostility.errors)
     tally.notes["hostile: bad requests (kinds)"] = f"{len(hostility.errors)} ({len(bad)})"
     tally.notes["hostile: slowest error"] = f"{slowest_error * 1000:.0f} ms"
+    tally.notes["hostile: battery requests shed by the hostile tenant's own flood"] = str(shed_own)
     filling = {}
     for name, _, seconds, _ in hostility.errors:
         if name.endswith("filling-the-body"):
