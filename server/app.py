@@ -29,8 +29,16 @@ from server.auth import KeyRing
 from server.config import DEFAULT_KV_SEQUENCES, DEFAULT_MAX_MODEL_LEN, Settings
 from server.errors import install_error_handlers
 from server.kv_events import KVEventPublisher
-from server.middleware import ANY_HOST, AuthMiddleware, BodyLimitMiddleware, HostCheckMiddleware, RequestLogMiddleware
+from server.middleware import (
+    ANY_HOST,
+    MAX_OTHER_JSON_VALUES,
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    HostCheckMiddleware,
+    RequestLogMiddleware,
+)
 from server.playground import playground_router
+from server.protocol import MAX_CHOICES
 from server.routes import router
 from server.serving import ServingContext
 from server.traffic import TrafficLog
@@ -205,6 +213,7 @@ class AppState:
             forced_speculation=settings.forced_speculation,
             eos_token_ids=list(loaded.eos_token_ids),
             on_grammar_compiled=self.metrics.observe_grammar_compile,
+            max_prep_queue=settings.max_prep_queue,
         )
         logger.info(
             "ready: serving %s as %s (max_model_len=%d, max_num_seqs=%d)",
@@ -227,6 +236,8 @@ class AppState:
             # uvicorn has already waited --shutdown-timeout for open requests; abort what is left.
             await self.engine.stop(timeout=1.0)
             self.metrics.set_queue_state(self.engine.scheduler.queue_state())
+        if self.serving is not None:
+            self.serving.prep.shutdown()
         if self.serving is not None and self.serving.traffic is not None:
             self.serving.traffic.close()  # the last lines reach the file
         if self.kv_events is not None:
@@ -265,7 +276,10 @@ def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -
     if settings.playground:
         app.include_router(playground_router())
     # Added innermost first: CORS sees requests first (preflights need no key), then the Host check.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    # A body's JSON values: every prompt's token ids at the longest context (the default's, which
+    # bounds the model's own), and the rest.
+    max_values = MAX_CHOICES * (settings.max_model_len or DEFAULT_MAX_MODEL_LEN) + MAX_OTHER_JSON_VALUES
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, max_values=max_values)
     if credentials.required:
         app.add_middleware(
             AuthMiddleware,

@@ -286,6 +286,13 @@ class Settings(BaseSettings):
         f"(default: max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, --max-num-seqs)).",
     )
     max_queue: int = Field(256, ge=0, description="Waiting requests beyond which new ones get 503 + Retry-After.")
+    max_prep_queue: int = Field(
+        64,
+        ge=1,
+        description="Requests waiting for the preparation thread (tokenizing, chat templates, grammar compiles; "
+        "render endpoints included) beyond which new ones get 503 + Retry-After. Tenants take turns on it, and "
+        "when it is full the tenant holding the most waiting requests loses its newest first.",
+    )
 
     # -- KV cache --
     block_size: int = Field(16, ge=1, le=1024, description="Token positions per KV cache block.")

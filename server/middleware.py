@@ -18,16 +18,25 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 OBSERVER_PATHS = ("/metrics", "/v1/speculation")  # server-wide counts: every tenant's load together
 
 
+# JSON values a body may hold beyond its prompts' token ids (`json_values_refusal`), and arrays and
+# objects in all: far above any request that fits a context (1024 messages, 128 prompts), far below
+# the ~1M that a 4 MiB body can hold.
+MAX_OTHER_JSON_VALUES = 1 << 16
+MAX_JSON_CONTAINERS = 1 << 15
+
+
 class BodyLimitMiddleware:
-    """413 for bodies over `max_bytes`, judged by Content-Length and by the bytes actually sent.
+    """413 for bodies over `max_bytes`, judged by Content-Length and by the bytes actually sent,
+    or holding more than `max_values` JSON values (`json_values_refusal`).
 
     The body is read here and replayed to the app, so the app never sees a
     partial oversized body; later `receive` calls (disconnects) pass through.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, max_values: int | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self.max_values = max_values
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -49,6 +58,10 @@ class BodyLimitMiddleware:
                 return
             if not message.get("more_body", False):
                 break
+        refusal = json_values_refusal(chunks, self.max_values) if self.max_values is not None else None
+        if refusal is not None:
+            await error_response(413, refusal, "invalid_request_error", code="request_too_large")(scope, receive, send)
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -69,6 +82,21 @@ class BodyLimitMiddleware:
             headers={"Connection": "close"},
         )
         await response(scope, receive, send)
+
+
+def json_values_refusal(chunks: list[bytes], max_values: int) -> str | None:
+    """Why a body holds too many JSON values to parse, or None: judged from its bytes at C speed
+    (milliseconds for 4 MiB), before the parser makes an object of each value and the validators
+    walk them, which for ~2M values costs the event loop a second. Every element of an array or
+    object after the first follows a comma, every container opens with a bracket; those in strings
+    count too, so this bounds from above: no text that fits the context comes near either limit."""
+    containers, most = sum(chunk.count(b"[") + chunk.count(b"{") for chunk in chunks), MAX_JSON_CONTAINERS
+    if containers > most:
+        return f"the request body holds {containers} JSON arrays and objects; at most {most} are accepted"
+    values = 1 + sum(chunk.count(b",") for chunk in chunks)
+    if values > max_values:
+        return f"the request body holds {values} JSON values; at most {max_values} are accepted (prompts x tokens)"
+    return None
 
 
 TENANT_SCOPE_KEY = "specd.tenant"

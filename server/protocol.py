@@ -19,7 +19,15 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from scheduler.types import MAX_SPEC_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 
@@ -63,7 +71,10 @@ def find_invalid_text(data: Any) -> tuple[bool, str | None]:
                 if isinstance(key, str) and not _is_text(key):
                     return True, _spell(path)
                 stack.append((item, (path, key)))
-        elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:
+        elif isinstance(value, list):
+            kinds = set(map(type, value))
+            if kinds <= _SCALARS or (kinds <= _TEXTS and _is_text("".join(value))):
+                continue  # numbers, or strings whose text is sound (a million prompts: one join)
             stack.extend((item, (path, i)) for i, item in enumerate(value) if type(item) not in _SCALARS)
     return False, None
 
@@ -71,6 +82,7 @@ def find_invalid_text(data: Any) -> tuple[bool, str | None]:
 # A value's place in the body: None for the body itself, else (its container's place, key or index).
 _Path = tuple[Any, str | int] | None
 _SCALARS = frozenset((int, float, bool, type(None)))
+_TEXTS = frozenset((str,))
 
 
 def _spell(path: _Path) -> str | None:
@@ -243,6 +255,20 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     # -- extensions --
     add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Prompt:
+        """A list's size is judged before its elements: a list of prompts holds at most
+        `MAX_CHOICES` (a million empty ones must cost nothing), and token ids (all ints, seen at C
+        speed) skip the union's element-wise tries; the context bounds them where they are used."""
+        if isinstance(value, list) and value:
+            kinds = set(map(type, value))
+            if kinds == {int}:
+                return value
+            if len(value) > MAX_CHOICES and int not in kinds:
+                raise ValueError(f"at most {MAX_CHOICES} prompts per request, got {len(value)}")
+        return handler(value)
 
 
 # -- responses ------------------------------------------------------------------

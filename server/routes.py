@@ -110,10 +110,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 # Rendering only: the token ids a request's prompt becomes here. Routers that route by prefix
 # (vllm-router's cache_aware, llm-d's precise scorer) ask every replica for them.
 @router.post("/v1/completions/render")
-async def completions_render(body: CompletionRequest, request: Request) -> list[dict]:
-    return await render_completion(_serving(request), body)
+async def completions_render(body: CompletionRequest, request: Request) -> Response:
+    return await render_completion(_serving(request), body, request)
 
 
 @router.post("/v1/chat/completions/render")
-async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> dict:
-    return await render_chat(_serving(request), body)
+async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> Response:
+    return await render_chat(_serving(request), body, request)

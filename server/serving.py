@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -23,6 +22,8 @@ from scheduler.types import MAX_LOGIT_BIAS, MAX_SPEC_TOKENS, Request, SamplingPa
 from server import structured_outputs
 from server.detokenizer import TokenTexts
 from server.errors import APIError, BadRequestError, NotFoundError
+from server.middleware import request_tenant
+from server.preparation import PreparationQueue
 from server.protocol import SamplingFields
 from server.structured_outputs import GrammarCompiler, GrammarSource
 from server.traffic import TrafficLog
@@ -49,26 +50,28 @@ class ServingContext:
     forced_speculation: bool = True  # --forced-speculation: honour speculation=true
     eos_token_ids: list[int] = field(default_factory=list)  # what a finished grammar allows
     on_grammar_compiled: Callable[[float], None] | None = None  # seconds per compile (a metric)
+    max_prep_queue: int = 64  # --max-prep-queue
     token_texts: TokenTexts = field(init=False)
     # The longest text one token stands for: a prompt longer than max_model_len times this many
     # characters cannot fit, and is refused before anything tokenizes it.
     max_token_chars: int = field(init=False)
-    # Chat templates and tokenizing run here, not on the event loop: one thread, since a fast
-    # tokenizer shared across threads can refuse a concurrent call ("Already borrowed").
-    prep: ThreadPoolExecutor = field(init=False)
+    # Chat templates, tokenizing and grammar compiles run here, not on the event loop: one thread,
+    # since a fast tokenizer shared across threads can refuse a concurrent call ("Already borrowed").
+    prep: PreparationQueue = field(init=False)
     grammars: GrammarCompiler = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_texts = TokenTexts(self.tokenizer)
         self.max_token_chars = max_token_chars(self.tokenizer)
-        self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-prep")
+        self.prep = PreparationQueue(self.max_prep_queue)
         self.grammars = GrammarCompiler(
             self.tokenizer, self.eos_token_ids, self.vocab_size, on_compiled=self.on_grammar_compiled
         )
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the preparation thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.prep, fn, *args)
+    async def off_loop(self, raw: HTTPRequest, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the preparation thread, in the turn of the request's tenant (503 when its
+        queue is full); if the client leaves first, the job leaves the queue unrun."""
+        return await until_disconnected(raw, self.prep.run(request_tenant(raw.scope), fn, *args))
 
     def check_text_size(self, num_chars: int, param: str) -> None:
         """400 for text that cannot fit the context, judged by its length alone."""

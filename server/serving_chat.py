@@ -254,12 +254,17 @@ def sized_messages(ctx: ServingContext, req: ChatCompletionRequest) -> list[dict
     return messages
 
 
-async def render_chat(ctx: ServingContext, req: ChatCompletionRequest) -> dict:
+async def render_chat(ctx: ServingContext, req: ChatCompletionRequest, raw: HTTPRequest) -> Response:
     """POST /v1/chat/completions/render: the prompt's token ids as this server would compute it,
     nothing generated (what cache-aware routers and llm-d's token producer key replicas by)."""
     ctx.check_model(req.model)
     messages = sized_messages(ctx, req)
-    return {"token_ids": await ctx.off_loop(render_prompt, ctx, req, messages)}
+    body = await ctx.off_loop(raw, _rendered, ctx, req, messages)
+    return Response(body, media_type="application/json")
+
+
+def _rendered(ctx: ServingContext, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> bytes:
+    return json.dumps({"token_ids": render_prompt(ctx, req, messages)}, separators=(",", ":")).encode()
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: HTTPRequest) -> Response:
@@ -272,7 +277,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     predicted = content_text(req.prediction.content, "prediction.content") if req.prediction is not None else None
     if predicted is not None:
         ctx.check_text_size(len(predicted), "prediction.content")
-    prepared = await ctx.off_loop(prepare, ctx, req, messages, predicted, grammar)
+    prepared = await ctx.off_loop(raw, prepare, ctx, req, messages, predicted, grammar)
     prompt_ids, prediction_ids = prepared.prompt_ids, prepared.prediction_ids
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = requested or max(1, ctx.max_model_len - len(prompt_ids))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
@@ -112,20 +113,34 @@ def check_prompt_count(prompts: list, n: int = 1) -> None:
 
 
 def check_prompt_sizes(ctx: ServingContext, prompts: list) -> None:
-    """400 for a text prompt that cannot fit the context, judged before it is tokenized."""
-    for item in prompts:
+    """400 for a prompt that cannot fit the context, judged by its length alone: text before it is
+    tokenized, token ids before any id is looked at (on the event loop, so never one by one)."""
+    for item in [prompts] if isinstance(prompts[0], int) else prompts:
         if isinstance(item, str):
             ctx.check_text_size(len(item), "prompt")
+        elif len(item) >= ctx.max_model_len:
+            raise BadRequestError(
+                f"this model's maximum context length is {ctx.max_model_len} tokens, but the prompt has "
+                f"{len(item)} tokens",
+                param="prompt",
+                code="context_length_exceeded",
+            )
 
 
-async def render_completion(ctx: ServingContext, req: CompletionRequest) -> list[dict]:
-    """POST /v1/completions/render: each prompt's token ids, nothing generated (vLLM's shape)."""
+async def render_completion(ctx: ServingContext, req: CompletionRequest, raw: HTTPRequest) -> Response:
+    """POST /v1/completions/render: each prompt's token ids, nothing generated (vLLM's shape).
+    Encoded on the preparation thread too: no response model walks the ids on the event loop."""
     ctx.check_model(req.model)
     prompts = given_prompts(req)
     check_prompt_count(prompts)
     check_prompt_sizes(ctx, prompts)
-    prompt_ids, _ = await ctx.off_loop(tokenize_prompts, ctx, req)
-    return [{"token_ids": ids} for ids in prompt_ids]
+    body = await ctx.off_loop(raw, _rendered, ctx, req)
+    return Response(body, media_type="application/json")
+
+
+def _rendered(ctx: ServingContext, req: CompletionRequest) -> bytes:
+    prompt_ids, _ = tokenize_prompts(ctx, req)
+    return json.dumps([{"token_ids": ids} for ids in prompt_ids], separators=(",", ":")).encode()
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: HTTPRequest) -> Response:
@@ -137,13 +152,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: HT
     check_prompt_sizes(ctx, prompts_given)
     grammar = grammar_source(req)
     if grammar is not None:  # compiled before the prompts are tokenized: a bad grammar costs nothing more
-        await ctx.off_loop(ctx.grammars.compile, grammar)
-    prompt_ids, prompt_texts = await ctx.off_loop(tokenize_prompts, ctx, req)
+        await ctx.off_loop(raw, ctx.grammars.compile, grammar)
+    prompt_ids, prompt_texts = await ctx.off_loop(raw, tokenize_prompts, ctx, req)
     if len(prompt_ids) * req.n > MAX_CHOICES:
         raise BadRequestError(f"at most {MAX_CHOICES} sequences (prompts x n) per request", param="n")
     constraints: list[TokenConstraint] | None = None
     if grammar is not None:
-        constraints = list(await ctx.off_loop(ctx.grammars.states, grammar, len(prompt_ids) * req.n))
+        constraints = list(await ctx.off_loop(raw, ctx.grammars.states, grammar, len(prompt_ids) * req.n))
 
     prompts, params = [], []
     for ids in prompt_ids:

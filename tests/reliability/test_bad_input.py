@@ -43,18 +43,104 @@ class Case:
     code: str | None = None
 
 
-def chunked_oversize():
+def chunked_oversize(max_body_bytes: int = INPUT_MAX_BODY_BYTES):
     yield b'{"model": "tiny", "prompt": "'
-    for _ in range(INPUT_MAX_BODY_BYTES // 8192 + 2):
+    for _ in range(max_body_bytes // 8192 + 2):
         yield b"z" * 8192
     yield b'"}'
 
 
-OVER_CONTEXT_IDS = [5] * (INPUT_MAX_MODEL_LEN + 4)
+def sized_cases(max_model_len: int, max_body_bytes: int) -> list[Case]:
+    """The cases that a server's limits size: over the body limit, over the context in tokens, text
+    over what the context could hold, and bodies filled with as many values as they can hold (a
+    million prompts, ids or lists: refused from the body's bytes before they are parsed)."""
+    half = max_body_bytes // 2  # characters: more text than any context here holds
+    fill = max_body_bytes - 64  # what a body's values may take up
+    over_context = "one two three " * (max_model_len // 2)  # ~1.5 tokens a word: over the context
+    too_many = {"status": 413, "code": "request_too_large"}
+    render = CMPL + "/render"
+    return [
+        Case("body-over-limit-cmpl", CMPL, json=body(CMPL, prompt="x" * (max_body_bytes + 10)), **too_many),
+        Case("body-over-limit-chat", CHAT, json=body(CHAT, messages=user("y" * max_body_bytes)), status=413),
+        Case("body-over-limit-chunked", CMPL, raw=None, status=413),  # body from chunked_oversize()
+        Case(
+            "prompt-over-context",
+            CMPL,
+            json=body(CMPL, prompt=[5] * (max_model_len + 4)),
+            param="prompt",
+            code="context_length_exceeded",
+        ),
+        Case(
+            "prompt-ids-64x-context",
+            render,
+            json=body(CMPL, prompt=[5] * (max_model_len * 64)),
+            param="prompt",
+            code="context_length_exceeded",
+        ),  # fmt: skip
+        Case(
+            "messages-over-context",
+            CHAT,
+            json=body(CHAT, messages=user("a " * (max_model_len + 4))),
+            param="messages",
+            code="context_length_exceeded",
+        ),
+        Case(
+            "prompt-text-over-limit",
+            CMPL,
+            json=body(CMPL, prompt="x" * half),
+            param="prompt",
+            code="context_length_exceeded",
+        ),  # fmt: skip
+        Case(
+            "prompts-text-over-limit",
+            render,
+            json=body(CMPL, prompt=["y" * (half // 2), "z" * (half // 2)]),
+            param="prompt",
+            code="context_length_exceeded",
+        ),  # fmt: skip
+        Case(
+            "messages-text-over-limit",
+            CHAT,
+            json=body(CHAT, messages=user("w" * half)),
+            param="messages",
+            code="context_length_exceeded",
+        ),  # fmt: skip
+        Case(
+            "render-messages-text-over-limit",
+            CHAT + "/render",
+            json=body(CHAT, messages=user("v" * half)),
+            param="messages",
+            code="context_length_exceeded",
+        ),  # fmt: skip
+        Case(
+            "prediction-text-over-limit",
+            CHAT,
+            json=body(CHAT, prediction={"type": "content", "content": "p" * half}),
+            param="prediction.content",
+            code="context_length_exceeded",
+        ),  # fmt: skip
+        Case(
+            "prediction-over-context",
+            CHAT,
+            json=body(CHAT, prediction={"type": "content", "content": over_context}),
+            param="prediction.content",
+            code="prediction_too_long",
+        ),  # fmt: skip
+        Case("render-prompts-129", render, json=body(CMPL, prompt=[""] * 129), param="prompt"),
+        # A body full of values: ~1.4M empty prompts, ~2M token ids, ~1M id lists, ~1M lists unknown.
+        Case("render-prompts-filling-the-body", render, json=body(CMPL, prompt=[""] * (fill // 3)), **too_many),
+        Case("prompt-ids-filling-the-body", CMPL, json=body(CMPL, prompt=[0] * (fill // 2)), **too_many),
+        Case("render-ids-filling-the-body", render, json=body(CMPL, prompt=[0] * (fill // 2)), **too_many),
+        Case("prompt-id-lists-filling-the-body", CMPL, json=body(CMPL, prompt=[[0]] * (fill // 4)), **too_many),
+        Case("unknown-field-filling-the-body", CMPL, json=body(CMPL, zzz=[[0]] * (fill // 4)), **too_many),
+    ]
+
+
 TEN_THOUSAND_STOPS = [f"s{i}" for i in range(10_000)]
 TEN_THOUSAND_BIASES = {str(i): 1.0 for i in range(10_000)}
 
-CASES = [
+# The cases whose request no server limit sizes (`sized_cases` adds the rest).
+FIXED_CASES = [
     # -- not JSON, not an object, wrong or missing content type --
     Case("malformed-json-cmpl", CMPL, raw=b'{"model": "tiny", "prompt": '),
     Case("malformed-json-chat", CHAT, raw=b'{"model": "tiny", "messages": [}'),
@@ -70,16 +156,8 @@ CASES = [
     Case("text-plain", CHAT, raw=json.dumps(body(CHAT)).encode(), headers={"content-type": "text/plain"}),
     Case("invalid-utf8-cmpl", CMPL, raw=b'{"model": "tiny", "prompt": "\xff\xfe\xfa"}'),
     Case("invalid-utf8-chat", CHAT, raw=b'{"model": "tiny", "messages": [{"role": "user", "content": "\xc3\x28"}]}'),
-    Case("nested-100k-deep", CMPL, raw=b"[" * 100_000 + b"]" * 100_000),
-    Case(
-        "body-over-limit-cmpl",
-        CMPL,
-        json=body(CMPL, prompt="x" * (INPUT_MAX_BODY_BYTES + 10)),
-        status=413,
-        code="request_too_large",
-    ),
-    Case("body-over-limit-chat", CHAT, json=body(CHAT, messages=user("y" * INPUT_MAX_BODY_BYTES)), status=413),
-    Case("body-over-limit-chunked", CMPL, raw=None, status=413),  # body from chunked_oversize()
+    # 100,000 arrays: refused from the bytes, before the parser would recurse into them.
+    Case("nested-100k-deep", CMPL, raw=b"[" * 100_000 + b"]" * 100_000, status=413, code="request_too_large"),
     # -- lone surrogates and non-finite numbers --
     Case("surrogate-prompt", CMPL, json=body(CMPL, prompt="a\ud800b"), param="prompt"),
     Case("surrogate-content", CHAT, json=body(CHAT, messages=user("\udfff")), param="messages[0].content"),
@@ -114,20 +192,6 @@ CASES = [
     Case("prompt-id-out-of-vocab", CMPL, json=body(CMPL, prompt=[5, 99_999]), param="prompt"),
     Case("prompt-id-negative", CMPL, json=body(CMPL, prompt=[-1, 5]), param="prompt"),
     Case("prompt-id-huge", CMPL, json=body(CMPL, prompt=[[1], [2**70]]), param="prompt"),
-    Case(
-        "prompt-over-context",
-        CMPL,
-        json=body(CMPL, prompt=OVER_CONTEXT_IDS),
-        param="prompt",
-        code="context_length_exceeded",
-    ),
-    Case(
-        "messages-over-context",
-        CHAT,
-        json=body(CHAT, messages=user("a " * 200)),
-        param="messages",
-        code="context_length_exceeded",
-    ),
     # -- max_tokens --
     Case("max-tokens-zero", CMPL, json=body(CMPL, max_tokens=0), param="max_tokens"),
     Case("max-tokens-negative", CHAT, json=body(CHAT, max_tokens=-5), param="max_tokens"),
@@ -301,43 +365,6 @@ CASES = [
         json=body(CHAT, messages=[{"role": "user", "content": "hi", "name": "n" * 257}]),
         param="messages[0].name",
     ),  # fmt: skip
-    Case(
-        "prompt-200k-chars", CMPL, json=body(CMPL, prompt="x" * 200_000), param="prompt", code="context_length_exceeded"
-    ),
-    Case(
-        "prompts-200k-chars",
-        CMPL,
-        json=body(CMPL, prompt=["y" * 100_000, "z" * 100_000]),
-        param="prompt",
-        code="context_length_exceeded",
-    ),  # fmt: skip
-    Case(
-        "messages-200k-chars",
-        CHAT,
-        json=body(CHAT, messages=user("w" * 200_000)),
-        param="messages",
-        code="context_length_exceeded",
-    ),  # fmt: skip
-    Case(
-        "prediction-200k-chars",
-        CHAT,
-        json=body(CHAT, prediction={"type": "content", "content": "p" * 200_000}),
-        param="prediction.content",
-        code="context_length_exceeded",
-    ),  # fmt: skip
-    Case(
-        "prediction-over-context",
-        CHAT,
-        json=body(CHAT, prediction={"type": "content", "content": "one two three " * 60}),
-        param="prediction.content",
-        code="prediction_too_long",
-    ),  # fmt: skip
-    Case(
-        "prediction-parts-257",
-        CHAT,
-        json=body(CHAT, prediction={"type": "content", "content": [{"type": "text", "text": "a"}] * 257}),
-        param="prediction.content",
-    ),  # fmt: skip
     # -- unknown fields are ignored, as OpenAI does --
     Case(
         "unknown-fields-cmpl",
@@ -355,6 +382,7 @@ CASES = [
         status=200,
     ),
 ]
+CASES = [*FIXED_CASES, *sized_cases(INPUT_MAX_MODEL_LEN, INPUT_MAX_BODY_BYTES)]
 
 REFERENCE = [
     (
@@ -380,11 +408,15 @@ def reference_before(input_server) -> list[str]:
     return reference_texts(input_server)
 
 
+def encoded(case: Case) -> bytes:
+    """The case's body: raw, or its JSON without spaces (a body filled with values fills it to the limit)."""
+    return case.raw if case.raw is not None else json.dumps(case.json, separators=(",", ":")).encode()
+
+
 def send(server, case: Case) -> httpx.Response:
     if case.name == "body-over-limit-chunked":
         return httpx.post(server.url + case.path, content=chunked_oversize(), headers=JSON, timeout=60)
-    content = case.raw if case.raw is not None else json.dumps(case.json).encode()
-    return httpx.post(server.url + case.path, content=content, headers=case.headers, timeout=60)
+    return httpx.post(server.url + case.path, content=encoded(case), headers=case.headers, timeout=60)
 
 
 def assert_openai_error(response: httpx.Response, status: int, param: str | None, code: str | None = None) -> dict:

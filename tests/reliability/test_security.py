@@ -331,6 +331,7 @@ DOCUMENTED_LIMITS = {  # a word that names the limit in the docs table -> its va
     "--max-body-bytes": Settings.model_fields["max_body_bytes"].default,
     "--max-model-len": DEFAULT_MAX_MODEL_LEN,
     "--max-queue": Settings.model_fields["max_queue"].default,
+    "--max-prep-queue": Settings.model_fields["max_prep_queue"].default,
     "--max-num-seqs": Settings.model_fields["max_num_seqs"].default,
     "`n`": MAX_N,
     "prompts × `n`": MAX_CHOICES,

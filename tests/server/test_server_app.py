@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -106,3 +107,43 @@ async def test_an_engine_that_dies_fails_its_requests_reports_dead_and_asks_to_e
                 assert probe.status_code == 503 and probe.json() == {"status": "engine_dead"}
     finally:
         await state.stop_engine()
+
+
+def compact(body: dict) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+MIB4 = 4 * 1024 * 1024
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+@pytest.mark.parametrize(
+    "path, prompt",
+    [
+        ("/v1/completions", [0] * (MIB4 // 2 - 32)),  # ~2M token ids
+        ("/v1/completions/render", [""] * (MIB4 // 3 - 32)),  # ~1.4M prompts
+        ("/v1/completions", [[0]] * (MIB4 // 4 - 32)),  # ~1M token-id lists
+    ],
+    ids=["2M-ids", "1.4M-prompts", "1M-id-lists"],
+)
+async def test_a_body_of_millions_of_values_is_refused_before_it_is_parsed(path, prompt):
+    """At the shipped body limit: 413 from the bytes alone, before the route would parse the JSON and
+    answer 503 (no model loads here), so no parser or validator walks a million values."""
+    body = compact({"model": "unused", "prompt": prompt})
+    assert len(body) <= MIB4
+    async with client_for() as http:
+        reply = await http.post(path, content=body, headers=JSON_HEADERS)
+        assert reply.status_code == 413, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "request_too_large" and "JSON" in error["message"]
+
+
+async def test_a_body_that_fits_the_context_is_never_refused_for_its_values():
+    """128 prompts of 2047 token ids each (the most a request may carry at the default context), and
+    text full of commas and brackets, pass the count (then meet the loading model's 503)."""
+    prompts = [[1] * 2047 for _ in range(128)]
+    text = "f(a, [b], {c}), " * 2000
+    async with client_for() as http:
+        for body in ({"model": "unused", "prompt": prompts}, {"model": "unused", "prompt": text}):
+            reply = await http.post("/v1/completions", content=compact(body), headers=JSON_HEADERS)
+            assert reply.status_code == 503 and reply.json()["error"]["code"] == "model_loading"

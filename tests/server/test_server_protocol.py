@@ -71,3 +71,18 @@ def test_a_lone_surrogate_is_found_with_its_path_among_token_ids_and_nesting():
     assert find_invalid_text(body) == (True, "messages[0].content[0].text")
     assert find_invalid_text({"a\ud800": 1}) == (True, None)  # a key: the body itself is named
     assert find_invalid_text({"logit_bias": {"5": 1.0}, "stop": ["x", None]}) == (False, None)
+
+
+def test_a_list_of_prompts_is_counted_before_its_elements_are_validated():
+    from pydantic import ValidationError
+
+    from server.protocol import MAX_CHOICES, CompletionRequest, find_invalid_text
+
+    for prompts in ([""] * (MAX_CHOICES + 1), [[1]] * (MAX_CHOICES + 1), ["a", 1.5] * 100):
+        with pytest.raises(ValidationError, match=f"at most {MAX_CHOICES} prompts"):
+            CompletionRequest(model="m", prompt=prompts)
+    assert CompletionRequest(model="m", prompt=[7] * 5000).prompt == [7] * 5000  # ids: bounded by the context
+    assert CompletionRequest(model="m", prompt=[""] * MAX_CHOICES).prompt == [""] * MAX_CHOICES
+    # A list of strings is judged in one join; a bad one is still found with its index.
+    assert find_invalid_text({"prompt": ["a"] * 1000}) == (False, None)
+    assert find_invalid_text({"prompt": ["a", "b", "c\udfff"]}) == (True, "prompt[2]")

@@ -54,3 +54,14 @@ def test_streams_queued_but_never_handed_to_a_response_are_aborted_on_any_failur
     with pytest.raises(RuntimeError), aborted_on_error(streams):
         raise RuntimeError("the response could not be built")
     assert aborted == ["r0", "r1", "r2"]
+
+
+@pytest.mark.parametrize("prompt", [[10**9] * 9, [[1], [10**9] * 9]], ids=["ids", "lists-of-ids"])
+def test_a_token_id_prompt_over_the_context_is_refused_by_its_length_before_its_ids_are_read(prompt):
+    from server.serving_completions import check_prompt_sizes
+
+    ctx = context(max_model_len=8)  # ids out of the vocabulary: reading them would be the refusal
+    with pytest.raises(BadRequestError, match="maximum context length is 8 tokens") as refused:
+        check_prompt_sizes(ctx, prompt)  # type: ignore[arg-type]
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == "prompt"
+    check_prompt_sizes(ctx, [10**9] * 7)  # type: ignore[arg-type]  # fits: the ids are judged later
