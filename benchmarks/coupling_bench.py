@@ -12,8 +12,9 @@ accepts the most of a drafter that samples from q. Each drafter runs the first
 with K drafts, at each temperature, once per scheme with the same fixed seeds (the
 rejection run marks them unseeded, as the server does a request without a seed),
 the two schemes interleaved. Per cell: draft tokens accepted of those drafted,
-accepted per verify, acceptance by draft position and tok/s, with the coupled
-scheme's acceptance as a ratio of the rejection sampler's. For a model-free
+accepted per verify and acceptance by draft position, with the coupled
+scheme's acceptance as a ratio of the rejection sampler's. Acceptance, not
+speed: it does not depend on the machine or its load. For a model-free
 drafter (n-gram) both accept a draft token x with chance p(x): the ratio is 1 up to
 noise.
 """
@@ -41,8 +42,8 @@ from worker.builder import build_runner
 from worker.runner import RunnerConfig
 
 SCHEMES = ("rejection", "coupled")
-HEADERS = ["drafter", "temperature", "scheme", "accepted / drafted", "vs rejection", "accepted / verify",
-           "by draft position", "tok/s"]  # fmt: skip
+HEADERS = ["drafter", "temperature", "scheme", "drafted", "accepted / drafted", "vs rejection", "accepted / verify",
+           "by draft position"]  # fmt: skip
 
 
 @dataclass
@@ -50,8 +51,6 @@ class Cell:
     tally: PositionTally
     drafted: int
     accepted: int
-    tokens: int
-    seconds: float
 
     @property
     def acceptance(self) -> float | None:
@@ -74,16 +73,8 @@ def run_scheme(target: LoadedModel, runner, prompts: list[list[int]], scheme: st
         params.seeded = scheme == "coupled"  # the same fixed seed either way; unseeded takes the rejection sampler
         requests.append(Request(f"{scheme}-{temperature}-{i}", ids, params))
     tallied = TalliedRunner(runner)
-    start = time.perf_counter()
     done = run_offline(tallied, config, requests)
-    seconds = time.perf_counter() - start
-    return Cell(
-        tallied.tally,
-        sum(c.num_draft_tokens for c in done),
-        sum(c.num_accepted_tokens for c in done),
-        sum(len(c.token_ids) for c in done),
-        seconds,
-    )
+    return Cell(tallied.tally, sum(c.num_draft_tokens for c in done), sum(c.num_accepted_tokens for c in done))
 
 
 def drafter_config(name: str, args) -> ProposerConfig:
@@ -143,17 +134,16 @@ def main() -> None:
                     / max(sum(c.tally.drafted[j] for c in runs if j < len(c.tally.drafted)), 1)
                     for j in range(args.k)
                 ]
-                tps = sum(c.tokens for c in runs) / sum(c.seconds for c in runs)
                 rate = accepted / drafted if drafted else None
-                summary[scheme] = (rate, accepted / max(verifies, 1), by_position, tps)
-            base_rate = summary["rejection"][0]
-            for scheme, (rate, per_verify, by_position, tps) in summary.items():
+                summary[scheme] = (drafted, rate, accepted / max(verifies, 1), by_position)
+            base_rate = summary["rejection"][1]
+            for scheme, (drafted, rate, per_verify, by_position) in summary.items():
                 ratio = rate / base_rate if rate is not None and base_rate else None
-                rows.append([drafter, temperature, scheme, rate, ratio, per_verify,
-                             " / ".join(f"{r:.2f}" for r in by_position), tps])  # fmt: skip
+                rows.append([drafter, temperature, scheme, drafted, rate, ratio, per_verify,
+                             " / ".join(f"{r:.2f}" for r in by_position)])  # fmt: skip
                 records.append({"drafter": drafter, "temperature": temperature, "scheme": scheme, "dtype": dtype,
-                                "acceptance": rate, "vs_rejection": ratio, "accepted_per_verify": per_verify,
-                                "acceptance_by_position": by_position, "tps": tps})  # fmt: skip
+                                "drafted": drafted, "acceptance": rate, "vs_rejection": ratio,
+                                "accepted_per_verify": per_verify, "acceptance_by_position": by_position})  # fmt: skip
             print(table(HEADERS, rows[-len(SCHEMES) :]) + "\n", flush=True)  # a long run shows as it goes
     print(table(HEADERS, rows))
     if args.json:

@@ -419,12 +419,13 @@ def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
     target = u.to(torch.float64)[..., None] * total  # [..., 1]
     block = torch.searchsorted(block_cdf, target, right=True)  # the first block whose mass passes it
     block = torch.minimum(block, torch.searchsorted(block_cdf, total))  # rounding past the end: the last with mass
+    block = block.clamp(max=block_cdf.shape[-1] - 1)  # NaN mass (a faulty row, discarded) must still index
     before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), 0.0)  # [..., 1]
     index = block[..., None].expand(*block.shape[:-1], 1, SAMPLE_BLOCK)
     inner = blocks.gather(-2, index).squeeze(-2).to(torch.float64).cumsum(dim=-1) + before  # [..., B]
     within = torch.searchsorted(inner, target, right=True)
     within = torch.minimum(within, torch.searchsorted(inner, inner[..., -1:].contiguous()))
-    return (block * SAMPLE_BLOCK + within).squeeze(-1)
+    return (block * SAMPLE_BLOCK + within).clamp(max=vocab - 1).squeeze(-1)
 
 
 def compute_logprobs(logits: Tensor, token_ids: Tensor, top_n: int) -> tuple[Tensor, Tensor, Tensor]:
