@@ -2,8 +2,9 @@
 shares its steps, on whether or how it speculated, or on a cached prefix.
 
 Held to 64 prompts x 128 tokens, every token counted. The tiny random model's distributions are
-nearly flat, so a rounding difference anywhere flips a token quickly: in the default mode the
-same comparisons differ (checked by hand on an AMX Xeon; not asserted, as it depends on the CPU).
+nearly flat, so a rounding difference anywhere flips a token quickly. Without the mode, bf16
+output does change with the batch (SmolLM2 on an AMX Xeon: 5 of 6 prompts differed alone and
+batched, docs/determinism.md); that is not asserted here, as it depends on the CPU.
 """
 
 from __future__ import annotations
