@@ -62,6 +62,7 @@ class SamplingTensors:
     is_greedy: Tensor  # [R] bool
     seeds: Tensor  # [R] int64
     coupled: Tensor  # [R] bool: verified against the plain path's draw (seeded requests)
+    coupled_index: Tensor | None  # the sampled coupled rows, where only some sampled rows are
     logit_bias: Tensor | None  # [R, V] float32, None when no row has a bias
     all_greedy: bool
     any_greedy: bool
@@ -90,6 +91,8 @@ class SamplingTensors:
         buf.bools(f"{prefix}.greedy", [p.is_greedy for p in params])
         buf.ints(f"{prefix}.seeds", [p.seed for p in params])
         buf.bools(f"{prefix}.coupled", [p.seeded for p in params])
+        if _mixed_coupling(params):
+            buf.ints(f"{prefix}.coupled_index", [r for r, p in enumerate(params) if p.seeded and not p.is_greedy])
         bias = _bias_entries(params, vocab_size)
         if bias:
             rows, ids, values = zip(*bias)
@@ -119,6 +122,7 @@ class SamplingTensors:
             is_greedy=arrays[f"{prefix}.greedy"],
             seeds=arrays[f"{prefix}.seeds"],
             coupled=arrays[f"{prefix}.coupled"],
+            coupled_index=arrays[f"{prefix}.coupled_index"] if _mixed_coupling(params) else None,
             logit_bias=logit_bias,
             all_greedy=all(greedy),
             any_greedy=any(greedy),
@@ -144,6 +148,7 @@ class SamplingTensors:
             is_greedy=self.is_greedy[index],
             seeds=self.seeds[index],
             coupled=self.coupled[index],
+            coupled_index=None,  # only the step's verify reads it, never a subset's
             logit_bias=None
             if self.logit_bias is None or not _bias_entries(params, self.logit_bias.shape[1])
             else self.logit_bias[index],
@@ -156,6 +161,12 @@ class SamplingTensors:
             any_coupled=any(p.seeded for p in sampled),
             all_coupled=all(p.seeded for p in sampled),
         )
+
+
+def _mixed_coupling(params: list[SamplingParams]) -> bool:
+    """Some sampled rows coupled and some not: the verify then needs the coupled ones' index."""
+    seeded = {p.seeded for p in params if not p.is_greedy}
+    return len(seeded) == 2
 
 
 def uses_penalties(p: SamplingParams) -> bool:

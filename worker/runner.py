@@ -297,9 +297,6 @@ class ModelRunner:
                 grid += ids + [0] * (n_max - 1 - len(ids))
             buf.ints("draft_grid", grid)
             buf.ints("draft_sample_rows", [position[i] for i in plan.draft_rows])
-            sampled = [p for p in params if not p.is_greedy]
-            if any(p.seeded for p in sampled) and not all(p.seeded for p in sampled):
-                buf.ints("coupled_rows", [r for r, p in enumerate(params) if p.seeded and not p.is_greedy])
         if plan.probe_rows:
             buf.ints("probe_sample_rows", [position[i] for i in plan.probe_rows])
         self._plan_grammar_masks(plan)

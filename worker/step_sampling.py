@@ -167,8 +167,8 @@ def _verify_sampled(
     u_accept = uniform_noise(st.seeds, positions[:, :-1], STREAM_ACCEPT)
     q = _draft_probs(plan, arrays, draft_ids, num_draft, probs.shape[-1])
     num_accepted, token_ids = rejection_sample(draft_ids, num_draft, q, probs, u_accept, u_sample)
-    if st.any_coupled:
-        rows = arrays["coupled_rows"]
+    if st.coupled_index is not None:
+        rows = st.coupled_index
         plain_ids = sample_from_probs(probs[rows], u_sample[rows])
         num_accepted[rows], token_ids[rows] = coupled_verify(draft_ids[rows], num_draft[rows], plain_ids)
     return num_accepted, token_ids

@@ -113,6 +113,21 @@ def test_seeded_sampled_output_is_the_plain_path_whatever_speculated(proposer):
         assert alone.token_ids == plain[i]
 
 
+def test_seeded_rows_stay_coupled_beside_unseeded_ones(tiny_llama_dir, tiny_draft_dir):
+    """One verify, both verifiers: the seeded rows (0 and 2) keep their plain text while the
+    unseeded rows beside them go through the rejection sampler."""
+    target, runner = runner_for(tiny_llama_dir, "draft_model", tiny_draft_dir)
+    config = config_for(target)
+    tok = target.tokenizer
+    plain = [c.token_ids for c in run_offline(runner, config, requests(tok, "off", False, **SEEDED))]
+    mixed = requests(tok, "mixed", True, **SEEDED)
+    for request in mixed[1::2]:
+        unseeded(request.params)
+    spec = run_offline(runner, config, mixed)
+    assert [c.token_ids for c in spec[0::2]] == plain[0::2]
+    assert all(c.num_draft_tokens > 0 for c in spec)
+
+
 def test_a_seeded_request_accepts_a_prediction_of_its_own_sampled_text(tiny_llama_dir):
     """Coupled verification accepts a draft exactly when it is the plain path's token: a
     prediction equal to the seeded plain text is accepted whole, at temperature 0.9."""
