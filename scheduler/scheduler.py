@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 from scheduler.kv_blocks import BlockPool, block_key, blocks_for
 from scheduler.types import (
-    MAX_SPEC_TOKENS,
     Batch,
     FinishReason,
     InvalidRequestError,
@@ -41,7 +40,7 @@ from scheduler.types import (
 from speculation import registry
 from speculation.config import SpecConfig
 from speculation.cost_model import StepShape, step_shape
-from speculation.grammar import forces as grammar_forces
+from speculation.grammar import forced_lengths
 from speculation.policy import SpecPolicy
 from speculation.proposer import Drafting
 
@@ -226,15 +225,10 @@ class Scheduler:
                 budget -= len(prefills[-1].token_ids)
 
         caps = [self._draft_cap(r) for r in decoding]
-        # Rows whose grammar forces their next tokens draft exactly those (free, and certain under
-        # the mask), ahead of the policy, which plans the other rows with the budget left.
-        forced = [0] * len(decoding)
-        for i, request in enumerate(decoding):
-            if caps[i] and budget > 0 and grammar_forces(request):
-                assert request.constraint is not None
-                forced[i] = min(len(request.constraint.forced()), caps[i], MAX_SPEC_TOKENS, budget)
-                budget -= forced[i]
-                caps[i] = 0
+        # Rows whose grammar forces their next tokens draft exactly those, ahead of the policy,
+        # which plans the other rows with the budget left.
+        forced, budget = forced_lengths(decoding, caps, budget)
+        caps = [0 if f else cap for f, cap in zip(forced, caps)]
         prefill = StepShape(
             num_tokens=sum(len(p.token_ids) for p in prefills),
             num_context=sum(p.start_pos + len(p.token_ids) for p in prefills),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scheduler.types import Draft, Request
+from scheduler.types import MAX_SPEC_TOKENS, Draft, Request
 from speculation.proposer import Proposer
 
 
@@ -16,6 +16,18 @@ def forces(request: Request) -> bool:
     return (
         request.constraint is not None and request.params.speculation is not False and bool(request.constraint.forced())
     )
+
+
+def forced_lengths(requests: Sequence[Request], caps: list[int], budget: int) -> tuple[list[int], int]:
+    """Per row, how many grammar-forced tokens it drafts this step (free, and certain under the
+    mask), within its cap and the step's token budget, in row order; and the budget left."""
+    lengths = [0] * len(requests)
+    for i, request in enumerate(requests):
+        if caps[i] and budget > 0 and forces(request):
+            assert request.constraint is not None
+            lengths[i] = min(len(request.constraint.forced()), caps[i], MAX_SPEC_TOKENS, budget)
+            budget -= lengths[i]
+    return lengths, budget
 
 
 class GrammarProposer(Proposer):
