@@ -57,7 +57,10 @@ class Cell:
         return self.accepted / self.drafted if self.drafted else None
 
 
-def run_scheme(target: LoadedModel, runner, prompts: list[list[int]], scheme: str, temperature: float, args) -> Cell:
+def run_scheme(
+    target: LoadedModel, runner, prompts: list[list[int]], scheme: str, temperature: float, seed: int, args
+) -> Cell:
+    """One batch of `prompts` under `scheme`, prompt i seeded `seed + i`."""
     config = SchedulerConfig(
         max_num_seqs=len(prompts),
         max_model_len=max(len(p) for p in prompts) + args.max_tokens + 8,
@@ -68,7 +71,7 @@ def run_scheme(target: LoadedModel, runner, prompts: list[list[int]], scheme: st
     requests = []
     for i, ids in enumerate(prompts):
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=temperature, seed=args.seed + i, ignore_eos=True, speculation=True
+            max_tokens=args.max_tokens, temperature=temperature, seed=seed + i, ignore_eos=True, speculation=True
         )
         params.seeded = scheme == "coupled"  # the same fixed seed either way; unseeded takes the rejection sampler
         requests.append(Request(f"{scheme}-{temperature}-{i}", ids, params))
@@ -123,8 +126,7 @@ def main() -> None:
             for round_ in range(args.rounds):
                 base = args.seed + round_ * len(prompts)
                 for scheme in SCHEMES if round_ % 2 == 0 else SCHEMES[::-1]:
-                    round_args = argparse.Namespace(**{**vars(args), "seed": base})
-                    cells[scheme].append(run_scheme(target, runner, prompts, scheme, temperature, round_args))
+                    cells[scheme].append(run_scheme(target, runner, prompts, scheme, temperature, base, args))
             summary = {}
             for scheme, runs in cells.items():
                 drafted, accepted = sum(c.drafted for c in runs), sum(c.accepted for c in runs)

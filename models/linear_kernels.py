@@ -69,19 +69,19 @@ MIN_GAIN = 0.05
 # QUANTIZED: the layer's weight-only int8/int4 copy (`models.quantized`), for layers that have one.
 # CHUNKED: x @ W^T in calls of exactly INVARIANT_ROWS rows, the last one padded (`--batch-invariant`).
 STANDARD_LAYOUT, TRANSPOSED, PADDED, PACKED, QUANTIZED, CHUNKED = 0, 1, 2, 3, 4, 5
+# A BLAS library picks its kernel (and so the order of a row's sums) by the call's row count:
+# in bf16 on an AMX Xeon, F.linear gave a row other bits past 32 rows than alone, and in
+# float32 at every count from 2. A call of one fixed size gives each row the same bits wherever
+# it sits and whatever shares the call (checked at load: `check_row_invariance`).
+INVARIANT_ROWS = 16
 LAYOUT_NAMES = {
     STANDARD_LAYOUT: "x @ W^T",
     TRANSPOSED: "(W @ x^T)^T",
     PADDED: "(W @ [x; x]^T)^T",
     PACKED: "packed",
     QUANTIZED: "weight-only",
-    CHUNKED: "x @ W^T in 16-row calls",
+    CHUNKED: f"x @ W^T in {INVARIANT_ROWS}-row calls",
 }
-# A BLAS library picks its kernel (and so the order of a row's sums) by the call's row count:
-# in bf16 on an AMX Xeon, F.linear gave a row other bits past 32 rows than alone, and in
-# float32 at every count from 2. A call of one fixed size gives each row the same bits wherever
-# it sits and whatever shares the call (checked at load: `check_row_invariance`).
-INVARIANT_ROWS = 16
 
 
 @dataclass(frozen=True)
