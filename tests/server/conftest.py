@@ -3,6 +3,8 @@ each stopped by SIGTERM and required to exit 0)."""
 
 from __future__ import annotations
 
+import httpx
+import openai
 import pytest
 
 from tests.support.server import API_KEY, finish_server, serve_args, start_server
@@ -30,3 +32,15 @@ def cycle_server(cycle_model_dir, tmp_path_factory):
     server = start_server(args, tmp_path_factory.mktemp("logs"), "cycle", api_key=API_KEY)
     yield server
     finish_server(server)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_server) -> str:
+    """The tiny server's model id, as /v1/models names it."""
+    return httpx.get(tiny_server.base_url + "/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server) -> openai.OpenAI:
+    """The OpenAI SDK against the tiny server (a module may override it for another server)."""
+    return openai.OpenAI(base_url=tiny_server.base_url, api_key="unused", max_retries=0, timeout=120)

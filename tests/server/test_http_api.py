@@ -12,16 +12,6 @@ from transformers import AutoTokenizer
 PROMPT = [{"role": "user", "content": "Hello there!"}]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_server) -> str:
-    return httpx.get(tiny_server.base_url + "/models").json()["data"][0]["id"]
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=tiny_server.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
 @pytest.fixture
 def aclient(tiny_server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=tiny_server.base_url, api_key="unused", max_retries=0, timeout=120)

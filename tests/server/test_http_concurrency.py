@@ -13,11 +13,6 @@ import pytest
 PROMPTS = [f"Request number {i}: the quick brown fox" for i in range(20)]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_server) -> str:
-    return httpx.get(tiny_server.base_url + "/models").json()["data"][0]["id"]
-
-
 async def test_20_concurrent_streams_equal_one_by_one(tiny_server, model):
     client = openai.AsyncOpenAI(base_url=tiny_server.base_url, api_key="unused", max_retries=0, timeout=300)
 

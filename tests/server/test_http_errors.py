@@ -13,11 +13,6 @@ from tests.support.server import finish_server, serve_args, start_server
 MESSAGES = [{"role": "user", "content": "Hello"}]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_server) -> str:
-    return httpx.get(tiny_server.base_url + "/models").json()["data"][0]["id"]
-
-
 def post(server, path: str, **kwargs) -> httpx.Response:
     return httpx.post(server.base_url + path, timeout=60, **kwargs)
 

@@ -11,7 +11,6 @@ from typing import Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel
 
@@ -38,16 +37,6 @@ class Colour(BaseModel):
     name: Literal["red", "green", "blue"]
     bright: bool
     shade: Literal["light", "dark"]
-
-
-@pytest.fixture(scope="module")
-def model(tiny_server) -> str:
-    return httpx.get(tiny_server.base_url + "/models").json()["data"][0]["id"]
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=tiny_server.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
