@@ -43,6 +43,7 @@ from transformers import (
 
 from models import catalogue, cpu_kernels, layer_ops, paged_attention, weights
 from models.forward import lean_forward
+from models.gguf_tokenizer import restore_added_tokens
 from models.kv_cache import KVCache, tune_attention
 from models.linear_kernels import (
     INVARIANT,
@@ -68,7 +69,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _CACHE_MARKER = "specd-cache.json"
-_CACHE_FORMAT = 3  # 2: config.json names `architectures`; 3: tied weights under the embedding's name
+# 2: config.json names `architectures`; 3: tied weights under the embedding's name;
+# 4: every GGUF control and user-defined token an added token (`models.gguf_tokenizer`)
+_CACHE_FORMAT = 4
 _STALE_TMP_SECONDS = 3600
 _HASHED_BYTES = 4 << 20
 
@@ -415,6 +418,8 @@ def _is_complete(cache: Path) -> bool:
 def _gguf_to_hf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     logger.info("converting GGUF %s (once: the result is cached)", path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if restored := restore_added_tokens(tokenizer, path):
+        logger.info("restored %d control/user-defined GGUF tokens the conversion left out", restored)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model, tokenizer
 
