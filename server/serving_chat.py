@@ -11,7 +11,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 from jinja2 import TemplateError
 
-from models.chat_escape import chat_ids
+from models.chat_escape import UnescapedToolText, chat_ids
 from scheduler.types import InvalidRequestError, TokenConstraint
 from server.choices import (
     Choice,
@@ -174,6 +174,8 @@ def render_prompt(ctx: ServingContext, req: ChatCompletionRequest, messages: lis
             else None,
             **(req.chat_template_kwargs or {}),
         )
+    except UnescapedToolText as exc:
+        raise BadRequestError(str(exc), param="tools") from None
     except TemplateError as exc:  # a template that rejects these messages (jinja's raise_exception): its words
         raise BadRequestError(f"the chat template rejected the messages: {exc}", param="messages") from None
     except Exception as exc:  # noqa: BLE001 - anything else the template does wrong: no internals in the reply
