@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -245,6 +246,17 @@ class AppState:
         self.step_thread.shutdown(wait=False)
 
 
+def _on_sighup(callback: Callable[[], None]) -> bool:
+    """Run `callback` on the event loop at each SIGHUP (where the platform and thread allow it)."""
+    if not hasattr(signal, "SIGHUP"):
+        return False
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, callback)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+        return False
+    return True
+
+
 def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -> FastAPI:
     """`on_fatal` is called if the model cannot be loaded or the engine loop dies (the CLI then exits 1)."""
     names = served_names(settings)
@@ -258,9 +270,12 @@ def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loading = asyncio.create_task(state.start_engine(), name="specd-load")
+        reloads_keys = settings.api_keys is not None and _on_sighup(keys.reload)
         try:
             yield
         finally:
+            if reloads_keys:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             state.draining = True
             if not loading.done():
                 loading.cancel()  # a load thread cannot be interrupted: the process exits once it returns

@@ -26,10 +26,11 @@ import logging
 import os
 import re
 import secrets
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from server.private_files import shared_mode
 
 logger = logging.getLogger("specd.server")
 
@@ -86,14 +87,12 @@ class Credentials:
 def read_keys_file(path: Path) -> list[tuple[str, str]]:
     """(tenant, key) pairs of an --api-keys file, refused where group or others may read or write it."""
     try:
-        mode = os.stat(path).st_mode
+        info = os.stat(path)
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise CredentialsError(f"--api-keys {path}: {exc.strerror}") from exc
-    if mode & (stat.S_IRGRP | stat.S_IWGRP | stat.S_IROTH | stat.S_IWOTH):
-        raise CredentialsError(
-            f"--api-keys {path}: readable or writable by group or others (mode {mode & 0o777:o}); chmod 600 it"
-        )
+    if problem := shared_mode(info, f"--api-keys {path}"):
+        raise CredentialsError(problem)
     pairs = []
     for number, line in enumerate(text.splitlines(), start=1):
         line = line.strip()
@@ -117,7 +116,8 @@ def read_keys_file(path: Path) -> list[tuple[str, str]]:
 
 class KeyRing:
     """The credentials in force, re-read when the --api-keys file changes (mtime, size or inode:
-    an edit, or a new file moved into place) so keys are added and revoked without a restart.
+    an edit, or a new file moved into place) or on SIGHUP (`reload`), so keys are added and
+    revoked without a restart.
     A changed file that cannot be used is logged and the keys in force stay."""
 
     def __init__(self, api_key: str | None = None, api_keys_file: Path | None = None):
@@ -134,12 +134,22 @@ class KeyRing:
         stamp = self._file_stamp()
         if stamp != self._stamp:
             self._stamp = stamp
-            try:
-                self.credentials = Credentials.load(self.api_key, self.path)
-                logger.info("--api-keys %s changed: %d keys in force", self.path, len(self.credentials.keys))
-            except CredentialsError as exc:
-                logger.error("%s; the keys loaded before stay in force", exc)
+            self._load("changed")
         return self.credentials
+
+    def reload(self) -> None:
+        """Re-read the keys file now, changed or not (SIGHUP: an edit within the same second and
+        size as the last one leaves the stamp as it was)."""
+        if self.path is not None:
+            self._stamp, self._checked = self._file_stamp(), time.monotonic()
+            self._load("reloaded")
+
+    def _load(self, why: str) -> None:
+        try:
+            self.credentials = Credentials.load(self.api_key, self.path)
+            logger.info("--api-keys %s %s: %d keys in force", self.path, why, len(self.credentials.keys))
+        except CredentialsError as exc:
+            logger.error("%s; the keys loaded before stay in force", exc)
 
     def _file_stamp(self) -> tuple[int, int, int] | None:
         if self.path is None:

@@ -13,10 +13,11 @@ NAME)` writes `NAME.key`, public, and `NAME.key_secret`, both halves):
 from __future__ import annotations
 
 import ipaddress
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from server.private_files import shared_mode
 
 Mode = Literal["bind", "connect"]
 
@@ -78,8 +79,8 @@ class CurveKeys:
 def private_file(path: Path, flag: str) -> None:
     """A secret the server reads: refused where group or others may read it."""
     try:
-        mode = path.stat().st_mode
+        info = path.stat()
     except OSError as exc:
         raise CurveError(f"{flag} {path}: {exc.strerror}") from exc
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise CurveError(f"{flag} {path}: readable by group or others (mode {mode & 0o777:o}); chmod 600 it")
+    if problem := shared_mode(info, f"{flag} {path}"):
+        raise CurveError(problem)

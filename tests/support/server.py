@@ -191,3 +191,13 @@ def finish_server(server: SpecdServer) -> None:
     killed = " (SIGKILL: it did not exit in time)" if server.killed else ""
     assert code == 0, f"{server.name} exited with {code} after SIGTERM{killed}:\n{server.log_tail()}"
     assert "Traceback" not in server.log(), server.log_tail()
+
+
+def in_process(**settings: object) -> httpx.AsyncClient:
+    """An HTTP client on a specd app in this process (no model loads: /v1 answers 503 past the
+    middleware), for tests of what the middleware and the app's set-up decide."""
+    from server.app import create_app
+    from server.config import Settings
+
+    app = create_app(Settings(model="unused", **settings))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
