@@ -28,6 +28,7 @@ from pydantic_core import PydanticUndefined
 from scheduler.types import SpeculationMode
 from server import IMPORTED_AT
 from server.config import CONFIG_ENV, ENV_PREFIX, ChoicesFrom, Settings, is_hidden, load_settings
+from server.http_protocol import protocol_class
 from server.models_cli import add_models_parser, models_command
 
 SPECULATION_CHOICES: dict[str, SpeculationMode] = {"auto": "auto", "true": True, "false": False}
@@ -300,6 +301,7 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout),
         limit_concurrency=settings.limit_concurrency,
         timeout_keep_alive=settings.timeout_keep_alive,
+        http=protocol_class(settings.header_timeout),
         lifespan="on",
     )
     server = Server(config)

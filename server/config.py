@@ -109,6 +109,12 @@ class Settings(BaseSettings):
     timeout_keep_alive: int = Field(
         5, ge=1, description="Seconds an idle keep-alive connection stays open before the server closes it."
     )
+    header_timeout: float = Field(
+        20.0,
+        gt=0,
+        description="Seconds a connection has to send a request's headers (on connecting, and between keep-alive "
+        "requests) before the server closes it: a client that trickles headers cannot hold a connection.",
+    )
     playground: bool = Field(
         True, description="Serve the chat playground page at / and /playground (--no-playground: 404 there)."
     )

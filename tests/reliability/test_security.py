@@ -394,13 +394,21 @@ async def test_the_product_app_has_no_debug_routes():
 
 def test_idle_connections_count_against_the_connection_limit(tiny_llama_dir, tmp_path):
     """--limit-concurrency: connections that send nothing cannot pile up without bound; past the
-    limit a request gets 503 at once, and once they close the server answers again."""
+    limit a request gets 503 at once, and once they close the server answers again.
+    --header-timeout: a client that trickles its headers, one line at a time, is cut off."""
     import socket
     import time
 
     from tests.support.server import SpecdServer, serve_args
 
-    args = serve_args(model=tiny_llama_dir, dtype="float32", device="cpu", limit_concurrency=3, timeout_keep_alive=2)
+    args = serve_args(
+        model=tiny_llama_dir,
+        dtype="float32",
+        device="cpu",
+        limit_concurrency=3,
+        timeout_keep_alive=2,
+        header_timeout=1.5,
+    )
     server = SpecdServer(args, tmp_path / "limit.log")
     idle: list[socket.socket] = []
     try:
@@ -419,6 +427,27 @@ def test_idle_connections_count_against_the_connection_limit(tiny_llama_dir, tmp
             sock.close()
         time.sleep(0.3)
         assert httpx.get(server.url + "/health", timeout=5, trust_env=False).status_code == 200
+        slow = socket.create_connection(("127.0.0.1", server.port))
+        idle = [slow]
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        started, cut = time.monotonic(), None
+        while time.monotonic() - started < 10 and cut is None:
+            time.sleep(0.25)
+            try:
+                slow.sendall(b"X-Slow: 1\r\n")
+                slow.settimeout(0.01)
+                if slow.recv(1) == b"":
+                    cut = time.monotonic() - started
+            except TimeoutError:
+                pass
+            except OSError:
+                cut = time.monotonic() - started
+        assert cut is not None and 1.4 < cut < 4, cut
+        # A connection that finishes its headers in time is served, then closed for idling.
+        with httpx.Client(trust_env=False) as client:
+            assert client.get(server.url + "/health", timeout=5).status_code == 200
+            time.sleep(1.0)
+            assert client.get(server.url + "/health", timeout=5).status_code == 200
     finally:
         for sock in idle:
             sock.close()
