@@ -71,10 +71,6 @@ def regex_grammar(pattern: str) -> str:
     return llguidance.LLMatcher.grammar_from_regex(pattern)
 
 
-def lark_grammar(text: str) -> str:
-    return llguidance.LLMatcher.grammar_from_lark(text)
-
-
 @dataclass(frozen=True)
 class Grammar:
     tokenizer: GrammarTokenizer

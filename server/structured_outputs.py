@@ -35,7 +35,6 @@ from models.grammar import (
     GrammarState,
     GrammarTokenizer,
     json_schema_grammar,
-    lark_grammar,
     regex_grammar,
 )
 from server.errors import BadRequestError
@@ -65,7 +64,8 @@ class GrammarSource:
             return regex_grammar(self.text)
         if self.kind == "choice":
             return llguidance.grammar_from("choice", self.text)
-        return llguidance.grammar_from("grammar", self.text) if "::=" in self.text else lark_grammar(self.text)
+        # Lark or GBNF, told apart by llguidance's own converter (a Lark string literal may hold "::=").
+        return llguidance.grammar_from("grammar", self.text)
 
 
 def json_source(schema: Any, param: str, any_whitespace: bool = False) -> GrammarSource:

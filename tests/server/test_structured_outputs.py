@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from models.grammar import GrammarTokenizer
 from server.errors import BadRequestError
 from server.structured_outputs import (
     MAX_GRAMMAR_CHARS,
@@ -29,6 +30,26 @@ def test_each_field_becomes_one_source():
     assert from_structured_outputs({"regex": "a+"}).kind == "regex"
     assert from_structured_outputs({"choice": ["a", "b"]}).kind == "choice"
     assert from_structured_outputs({"grammar": 'root ::= "a"'}).kind == "grammar"
+
+
+@pytest.mark.parametrize(
+    "text, allowed, refused",
+    [
+        ('root ::= "a" | "b"', ["a", "b"], ["c"]),  # GBNF
+        ('start: "x ::= y" | "b"', ["x ::= y", "b"], ["x"]),  # Lark, "::=" inside a literal
+        ('start: "a"\n// a comment mentioning root ::= x\n', ["a"], ["x"]),
+    ],
+)
+def test_grammar_text_is_lark_or_gbnf_as_llguidance_reads_it(text, allowed, refused):
+    tokenizer = build_tokenizer()
+    grammar = GrammarTokenizer(tokenizer, [tokenizer.eos_token_id], len(tokenizer)).compile(
+        from_structured_outputs({"grammar": text}).grammar_text()
+    )
+    for sentence, ok in [(s, True) for s in allowed] + [(s, False) for s in refused]:
+        state = grammar.start()
+        ids = tokenizer.encode(sentence, add_special_tokens=False)
+        whole = state.accepts(ids) == len(ids) and state.advance(ids) and state.matcher.is_accepting()
+        assert whole == ok, (text, sentence)
 
 
 @pytest.mark.parametrize(
