@@ -1,0 +1,56 @@
+"""The structured-outputs benchmark at CI size: a real specd on the tiny model, every variant and
+kind. It checks the table and JSON hold what the docs promise and that every structured reply
+that ended by `stop` validated; it asserts nothing about speed."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import structured_bench
+
+
+def test_every_variant_and_kind_runs_and_stopped_replies_validate(tmp_path, tiny_llama_dir):
+    """Short prompts and small schemas the tiny model (512-token context) completes in a few tokens."""
+    small = [
+        ("flag", "extraction", "The light is on. Is it on?", {"type": "boolean"}),
+        ("pick", "extraction", "Colour: red. Which colour?", {"enum": ["red", "green"]}),
+        ("size", "generation", "Pick a size.", {"enum": ["small", "large"]}),
+        ("yes", "generation", "Say yes or no.", {"type": "boolean"}),
+    ]
+    prompts = tmp_path / "tasks.jsonl"
+    rows = [
+        {"id": i, "kind": k, "prompt": p, "schema": {"type": "object", "properties": {"v": v}, "required": ["v"],
+                                                     "additionalProperties": False}}
+        for i, k, p, v in small
+    ]  # fmt: skip
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out_dir = tmp_path / "out"
+    code = structured_bench.main([
+        "--model", str(tiny_llama_dir), "--dtype", "float32", "--prompts", str(prompts), "--concurrency", "1,2",
+        "--num-requests", "2", "--max-tokens", "24", "--out-dir", str(out_dir),
+    ])  # fmt: skip
+    assert code == 0
+    runs = json.loads((out_dir / "structured_bench.json").read_text())["runs"]
+    seen = {(r["kind"], r["load"], r["variant"]) for r in runs}
+    assert seen == {(k, c, v) for k in ("extraction", "generation") for c in (1, 2) for v in structured_bench.VARIANTS}
+    for run in runs:
+        assert run["num_completed"] == run["num_requests"] == 2 and not run["errors"], run
+        if run["variant"] == "free-off":
+            assert run["num_valid"] is None
+        else:
+            # The grammar ends only on a valid document, and these schemas end within the budget.
+            assert run["num_valid"] == run["num_stopped"] == 2, run
+    text = (out_dir / "structured_bench.md").read_text()
+    assert "| kind | streams | variant | tok/s | /json-off | /free-off |" in text
+    assert text.count("| extraction |") == 6 and text.count("| generation |") == 6
+
+
+def test_the_prompt_set_validates_against_its_own_schemas():
+    """Each task's schema is a valid JSON schema that needs an object, and the kinds are the two named."""
+    import jsonschema
+
+    tasks = structured_bench.load_tasks()
+    assert {t.kind for t in tasks} == {"extraction", "generation"} and len({t.id for t in tasks}) == len(tasks)
+    for task in tasks:
+        jsonschema.Draft202012Validator.check_schema(task.schema)
+        assert task.schema["type"] == "object"
