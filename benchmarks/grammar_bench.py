@@ -12,8 +12,8 @@ Per engine: tokenizer set-up (once per server); compiling the 12 schemas of
 `prompt_sets/structured.jsonl` (first time, not cached); and walking one valid document per
 schema token by token, timing the token mask at each position and the commit of each token.
 A document is the schema's own example, made by a walk of llguidance's matcher: the first
-allowed token in vocabulary order, and at every fourth token the first that closes something
-(a quote, a bracket, a comma), so it depends on nothing but the schema and the vocabulary.
+allowed token in vocabulary order, and at every fourth token a bare quote or bracket where one
+is allowed (strings end, arrays stop at their fewest items), so it depends on nothing but the schema and the vocabulary.
 Single-threaded, one row at a time. Where xgrammar refuses a token of a document, the rest of
 that document is not timed for it ("documents refused": the engines read the schema apart).
 """
@@ -40,7 +40,7 @@ from models.grammar import json_schema_grammar
 from models.loader import ModelConfig, default_cache_dir, local_model_dir
 
 XGRAMMAR = ("xgrammar==0.2.8", "apache-tvm-ffi")
-DOC_TOKENS = 96  # the walk stops here if the document has not ended
+DOC_TOKENS = 256  # the walk stops here if the document has not ended
 
 
 def xgrammar_dir(cache_dir: Path) -> Path:
@@ -75,9 +75,12 @@ def documents(ll_tokenizer, schemas: list[dict], vocab_size: int, tokenizer) -> 
             choices = [t for t in allowed_ids(mask, vocab_size) if t != ll_tokenizer.eos_token]
             if not choices:
                 break
-            # Every fourth token closes what it can (a quote, a bracket, a comma), so strings stay
-            # a few tokens long and the document ends.
-            closing = [t for t in choices if any(c in texts[t] for c in '"]},')] if len(tokens) % 4 == 3 else []
+            # Every fourth token is a bare quote where one is allowed (it ends a string), else a
+            # bare bracket: strings stay a few tokens long, arrays stop at their fewest items and
+            # the document ends.
+            closing = []
+            if len(tokens) % 4 == 3:
+                closing = [t for t in choices if texts[t] == '"'] or [t for t in choices if texts[t] in ("]", "}")]
             token = (closing or choices)[0]
             tokens.append(token)
             matcher.consume_token(token)
