@@ -12,7 +12,9 @@ load by load in rotating order:
 - `free-off`: no `response_format`, speculation off (what the schema costs is measured against it);
 - `json-off`: `response_format: json_schema` (strict), speculation off;
 - `json-auto`: the schema, speculation left to the server's policy (grammar-forced drafts and the
-  proposer, as it prices them).
+  proposer, as it prices them);
+- `NAME-json` for each `--peer NAME=URL`: the schema on a peer server already running (say
+  vLLM-CPU plain, and with its n-gram speculation), interleaved with specd's variants.
 
 Greedy, each request stops at its end of sequence or `--max-tokens`. Every structured reply is
 parsed and validated against its schema (`jsonschema`): the table counts those that ended by
@@ -60,7 +62,7 @@ def load_tasks(path: Path = PROMPTS) -> list[Task]:
     return [Task(r["id"], r["kind"], r["prompt"], r["schema"]) for r in rows]
 
 
-def request_body(model: str, task: Task, variant: str, max_tokens: int) -> dict:
+def request_body(model: str, task: Task, variant: str, max_tokens: int, peer: bool = False) -> dict:
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": task.prompt}],
@@ -69,12 +71,12 @@ def request_body(model: str, task: Task, variant: str, max_tokens: int) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
-    if variant.startswith("json"):
+    if variant != "free-off":
         body["response_format"] = {
             "type": "json_schema",
             "json_schema": {"name": task.id, "schema": task.schema, "strict": True},
         }
-    if variant.endswith("-off"):
+    if variant.endswith("-off") and not peer:
         body["speculation"] = False
     return body
 
@@ -89,7 +91,7 @@ def is_valid(task: Task, text: str) -> bool:
 
 async def drive(
     client: httpx.AsyncClient, model: str, tasks: list[Task], variant: str, concurrency: int, num_requests: int,
-    max_tokens: int,
+    max_tokens: int, peer: bool = False,
 ) -> list[tuple[Task, RequestResult]]:  # fmt: skip
     """`num_requests` requests from `concurrency` closed-loop clients, the tasks in turn."""
     sent: list[tuple[Task, RequestResult]] = []
@@ -99,7 +101,7 @@ async def drive(
         for index in next_index:
             task = tasks[index % len(tasks)]
             result: list[RequestResult] = []
-            await timed_send(client, request_body(model, task, variant, max_tokens), task.id, result)
+            await timed_send(client, request_body(model, task, variant, max_tokens, peer), task.id, result)
             sent.append((task, result[0]))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -133,7 +135,7 @@ def summarize(variant: str, kind: str, load: int, sent: list[tuple[Task, Request
         (r.chunk_times[-1] - r.chunk_times[0]) / (r.num_output_tokens - 1) for _, r in done if r.num_output_tokens > 1
     ]
     stopped = [(t, r) for t, r in done if r.finish_reason == "stop"]
-    structured = variant.startswith("json")
+    structured = variant.endswith("json") or variant.startswith("json")
     return {
         "variant": variant,
         "kind": kind,
@@ -190,6 +192,27 @@ def report(runs: list[dict], meta: dict) -> str:
     return "\n".join(lines) + table(headers, rows)
 
 
+@dataclass
+class Target:
+    """Where a variant's requests go: specd, or a peer server (`NAME-json` variants)."""
+
+    client: httpx.AsyncClient
+    model: str
+    peer: bool
+
+
+async def peer_idle(client: httpx.AsyncClient) -> None:
+    """Until a vLLM peer runs and queues nothing (its gauges), or a second for one without them."""
+    for _ in range(300):
+        metrics = Metrics((await client.get("/metrics")).text)
+        busy = metrics.value("vllm:num_requests_running", default=0.0) + metrics.value(
+            "vllm:num_requests_waiting", default=0.0
+        )
+        if not busy:
+            return
+        await asyncio.sleep(0.2)
+
+
 async def benchmark(base_url: str, args: argparse.Namespace) -> list[dict]:
     tasks = load_tasks(args.prompts)
     kinds = sorted({t.kind for t in tasks}, key=["extraction", "generation"].index)
@@ -197,29 +220,48 @@ async def benchmark(base_url: str, args: argparse.Namespace) -> list[dict]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     runs: list[dict] = []
     machine = f"{platform.machine()} {platform.processor() or ''}".strip()
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits, trust_env=False) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        proposer = (await client.get("/v1/speculation")).json()["proposer"]
-        for variant in VARIANTS:  # warm-up: one request each, grammars compiled and cached
-            await drive(client, model, tasks[:1], variant, 1, 1, args.max_tokens)
+
+    def client_for(url: str) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, trust_env=False)
+
+    specd = client_for(base_url)
+    peers = {f"{name}-json": client_for(url.rstrip("/")) for name, url in args.peer}
+    try:
+        model = (await specd.get("/v1/models")).json()["data"][0]["id"]
+        proposer = (await specd.get("/v1/speculation")).json()["proposer"]
+        targets = {variant: Target(specd, model, False) for variant in VARIANTS}
+        for variant, client in peers.items():
+            targets[variant] = Target(client, (await client.get("/v1/models")).json()["data"][0]["id"], True)
+        variants = list(targets)
+        for variant, target in targets.items():  # warm-up: one request each, grammars compiled and cached
+            await drive(target.client, target.model, tasks[:1], variant, 1, 1, args.max_tokens, target.peer)
         for load in args.concurrency:
             for kind in kinds:
                 chosen = [t for t in tasks if t.kind == kind]
                 num_requests = args.num_requests or max(len(chosen), 2 * load)
                 for repeat in range(args.repeats):
-                    order = VARIANTS[repeat % len(VARIANTS) :] + VARIANTS[: repeat % len(VARIANTS)]
+                    order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
                     for variant in order:
-                        await asyncio.to_thread(wait_idle, base_url, {}, 60)
-                        before = await scrape(client)
+                        target = targets[variant]
+                        if target.peer:
+                            await peer_idle(target.client)
+                        else:
+                            await asyncio.to_thread(wait_idle, base_url, {}, 60)
+                        before = await scrape(specd)
                         start = time.perf_counter()
-                        sent = await drive(client, model, chosen, variant, load, num_requests, args.max_tokens)
+                        sent = await drive(target.client, target.model, chosen, variant, load, num_requests,
+                                           args.max_tokens, target.peer)  # fmt: skip
                         seconds = time.perf_counter() - start
-                        after = await scrape(client)
+                        after = await scrape(specd)  # specd's counters (zero deltas for a peer's run)
                         delta = {k: after[k] - before[k] for k in after}
                         run = summarize(variant, kind, load, sent, seconds, delta) | {"repeat": repeat}
                         runs.append(run)
                         print(f"{kind} c={load} {variant}: {run['output_throughput']:.1f} tok/s", file=sys.stderr)
-        meta = {"model": model, "proposer": proposer, "machine": machine, "date": time.strftime("%Y-%m-%d")}
+        meta = {"model": model, "proposer": proposer, "machine": machine, "date": time.strftime("%Y-%m-%d"),
+                "peers": dict(args.peer)}  # fmt: skip
+    finally:
+        for client in [specd, *peers.values()]:
+            await client.aclose()
     merged = merge_repeats(runs)
     text = report(merged, meta)
     print(text)
@@ -263,6 +305,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-model", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="tasks, one JSON object a line [%(default)s]")
+    p.add_argument("--peer", action="append", default=[], type=lambda s: tuple(s.split("=", 1)), metavar="NAME=URL",
+                   help="an OpenAI-compatible server already running (vLLM, llama.cpp) whose structured output "
+                   "runs beside specd's as variant NAME-json, e.g. vllm=http://127.0.0.1:8200")  # fmt: skip
     p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 16])
     p.add_argument("--num-requests", type=int, default=None, help="per run [max(tasks of the kind, 2 x streams)]")
     p.add_argument("--max-tokens", type=int, default=192)

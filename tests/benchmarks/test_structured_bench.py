@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from benchmarks import structured_bench
+from tests.support.server import finish_server, serve_args, start_server
 
 
 def test_every_variant_and_kind_runs_and_stopped_replies_validate(tmp_path, tiny_llama_dir):
@@ -25,14 +26,19 @@ def test_every_variant_and_kind_runs_and_stopped_replies_validate(tmp_path, tiny
     ]  # fmt: skip
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out_dir = tmp_path / "out"
-    code = structured_bench.main([
-        "--model", str(tiny_llama_dir), "--dtype", "float32", "--prompts", str(prompts), "--concurrency", "1,2",
-        "--num-requests", "2", "--max-tokens", "24", "--out-dir", str(out_dir),
-    ])  # fmt: skip
+    server = start_server(serve_args(model=tiny_llama_dir, dtype="float32", device="cpu"), tmp_path, "tiny")
+    try:  # the server as its own peer too: a peer's variant sends the schema without specd's fields
+        code = structured_bench.main([
+            "--base-url", server.url, "--peer", f"twin={server.url}", "--prompts", str(prompts),
+            "--concurrency", "1,2", "--num-requests", "2", "--max-tokens", "24", "--out-dir", str(out_dir),
+        ])  # fmt: skip
+    finally:
+        finish_server(server)
     assert code == 0
     runs = json.loads((out_dir / "structured_bench.json").read_text())["runs"]
     seen = {(r["kind"], r["load"], r["variant"]) for r in runs}
-    assert seen == {(k, c, v) for k in ("extraction", "generation") for c in (1, 2) for v in structured_bench.VARIANTS}
+    variants = (*structured_bench.VARIANTS, "twin-json")
+    assert seen == {(k, c, v) for k in ("extraction", "generation") for c in (1, 2) for v in variants}
     for run in runs:
         assert run["num_completed"] == run["num_requests"] == 2 and not run["errors"], run
         if run["variant"] == "free-off":
@@ -42,7 +48,19 @@ def test_every_variant_and_kind_runs_and_stopped_replies_validate(tmp_path, tiny
             assert run["num_valid"] == run["num_stopped"] == 2, run
     text = (out_dir / "structured_bench.md").read_text()
     assert "| kind | streams | variant | tok/s | /json-off | /free-off |" in text
-    assert text.count("| extraction |") == 6 and text.count("| generation |") == 6
+    assert text.count("| extraction |") == 8 and text.count("| generation |") == 8
+
+
+def test_it_starts_its_own_server(tmp_path, tiny_llama_dir):
+    prompts = tmp_path / "tasks.jsonl"
+    schema = {"type": "object", "properties": {"v": {"type": "boolean"}}, "required": ["v"]}
+    prompts.write_text("".join(json.dumps({"id": k, "kind": k, "prompt": "Yes?", "schema": schema}) + "\n"
+                               for k in ("extraction", "generation")))  # fmt: skip
+    code = structured_bench.main([
+        "--model", str(tiny_llama_dir), "--dtype", "float32", "--prompts", str(prompts), "--concurrency", "1",
+        "--num-requests", "1", "--max-tokens", "16", "--out-dir", str(tmp_path / "out"),
+    ])  # fmt: skip
+    assert code == 0 and "| generation | 1 | json-auto |" in (tmp_path / "out" / "structured_bench.md").read_text()
 
 
 def test_the_prompt_set_validates_against_its_own_schemas():
