@@ -204,5 +204,5 @@ def test_curve_in_connect_mode_reaches_only_the_named_listener(certificates, tmp
 
 def test_a_secret_key_others_can_read_is_refused(certificates):
     os.chmod(certificates["secret"], 0o644)
-    with pytest.raises(CurveError, match="readable by group or others"):
+    with pytest.raises(CurveError, match="readable or writable by group or others"):
         CurveKeys(certificates["secret"], certificates["authorized"]).check("bind")
