@@ -25,8 +25,10 @@ class HeaderDeadline:
     cycle: Any
     transport: asyncio.Transport
     loop: asyncio.AbstractEventLoop
+    _header_deadline: asyncio.TimerHandle | None = None
+    _waiting_since: Any = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._arm_header_deadline()
 
@@ -50,9 +52,8 @@ class HeaderDeadline:
         self._header_deadline = self.loop.call_later(self.header_timeout, self._header_deadline_passed)
 
     def _cancel_header_deadline(self) -> None:
-        deadline: asyncio.TimerHandle | None = getattr(self, "_header_deadline", None)
-        if deadline is not None:
-            deadline.cancel()
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
             self._header_deadline = None
 
     def _header_deadline_passed(self) -> None:
@@ -66,8 +67,13 @@ class HeaderDeadline:
 def protocol_class(header_timeout: float) -> type:
     """The protocol uvicorn's `http="auto"` would pick (httptools where installed, else h11),
     with the header deadline."""
+    base: type
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        base = HttpToolsProtocol
     except ImportError:
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        base = H11Protocol
     return type(f"HeaderDeadline{base.__name__}", (HeaderDeadline, base), {"header_timeout": float(header_timeout)})
