@@ -36,7 +36,7 @@ from transformers import AutoTokenizer
 
 from benchmarks.common import table
 from benchmarks.structured_bench import load_tasks
-from models.grammar import json_schema_grammar
+from models.grammar import allowed_tokens, json_schema_grammar
 from models.loader import ModelConfig, default_cache_dir, local_model_dir
 
 XGRAMMAR = ("xgrammar==0.2.8", "apache-tvm-ffi")
@@ -56,12 +56,6 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def allowed_ids(mask: torch.Tensor, vocab_size: int) -> list[int]:
-    bits = torch.arange(32, dtype=torch.int64)
-    flags = ((mask.to(torch.int64)[:, None] >> bits) & 1).flatten()[:vocab_size]
-    return flags.nonzero().flatten().tolist()
-
-
 def documents(ll_tokenizer, schemas: list[dict], vocab_size: int, tokenizer) -> list[list[int]]:
     """One valid token sequence per schema (see the module docstring)."""
     texts = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
@@ -72,7 +66,8 @@ def documents(ll_tokenizer, schemas: list[dict], vocab_size: int, tokenizer) -> 
         tokens: list[int] = []
         while not matcher.is_stopped() and len(tokens) < DOC_TOKENS:
             llguidance.torch.fill_next_token_bitmask(matcher, mask[None], 0)
-            choices = [t for t in allowed_ids(mask, vocab_size) if t != ll_tokenizer.eos_token]
+            choices = [t for t in allowed_tokens(mask[None], vocab_size)[0].nonzero().flatten().tolist()
+                       if t != ll_tokenizer.eos_token]  # fmt: skip
             if not choices:
                 break
             # Every fourth token is a bare quote where one is allowed (it ends a string), else a

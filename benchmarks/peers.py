@@ -288,6 +288,12 @@ async def wait_peer_idle(client: httpx.AsyncClient, peer: Peer, timeout: float =
     if not isinstance(peer.server, VllmServe):
         await asyncio.sleep(1.0)
         return
+    await wait_vllm_idle(client, timeout)
+
+
+async def wait_vllm_idle(client: httpx.AsyncClient, timeout: float = 60.0) -> None:
+    """Until a vLLM server runs and queues nothing (its gauges; a server without them counts as
+    idle), or `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         metrics = Metrics((await client.get("/metrics")).text)

@@ -40,6 +40,7 @@ import httpx
 import jsonschema
 
 from benchmarks.common import table
+from benchmarks.peers import wait_vllm_idle
 from benchmarks.serve_client import PROMPT_SET_DIR, RequestResult, timed_send
 from benchmarks.serve_report import percentiles, ratio
 from tests.support.metrics import Metrics, wait_idle
@@ -135,7 +136,7 @@ def summarize(variant: str, kind: str, load: int, sent: list[tuple[Task, Request
         (r.chunk_times[-1] - r.chunk_times[0]) / (r.num_output_tokens - 1) for _, r in done if r.num_output_tokens > 1
     ]
     stopped = [(t, r) for t, r in done if r.finish_reason == "stop"]
-    structured = variant.endswith("json") or variant.startswith("json")
+    structured = variant != "free-off"  # as `request_body` decides
     return {
         "variant": variant,
         "kind": kind,
@@ -201,18 +202,6 @@ class Target:
     peer: bool
 
 
-async def peer_idle(client: httpx.AsyncClient) -> None:
-    """Until a vLLM peer runs and queues nothing (its gauges), or a second for one without them."""
-    for _ in range(300):
-        metrics = Metrics((await client.get("/metrics")).text)
-        busy = metrics.value("vllm:num_requests_running", default=0.0) + metrics.value(
-            "vllm:num_requests_waiting", default=0.0
-        )
-        if not busy:
-            return
-        await asyncio.sleep(0.2)
-
-
 async def benchmark(base_url: str, args: argparse.Namespace) -> list[dict]:
     tasks = load_tasks(args.prompts)
     kinds = sorted({t.kind for t in tasks}, key=["extraction", "generation"].index)
@@ -244,7 +233,7 @@ async def benchmark(base_url: str, args: argparse.Namespace) -> list[dict]:
                     for variant in order:
                         target = targets[variant]
                         if target.peer:
-                            await peer_idle(target.client)
+                            await wait_vllm_idle(target.client)
                         else:
                             await asyncio.to_thread(wait_idle, base_url, {}, 60)
                         before = await scrape(specd)

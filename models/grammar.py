@@ -140,12 +140,18 @@ def fill_masks(items: list[tuple[GrammarState, int, list[int]]], num_rows: int) 
     return bitmask
 
 
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Bitmasks `[n, words]` (int32 values, any integer dtype) as `[n, vocab]` bools; ids past the
+    mask's words are never allowed."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int64)
+    allowed = ((bitmask.to(torch.int64)[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return allowed
+
+
 def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set the disallowed logits of `logits[rows]` `[n, V]` to -inf, in place, from their bitmasks
     `[n, words]` (int32 values, any integer dtype)."""
-    vocab = logits.shape[-1]
-    bits = torch.arange(32, device=logits.device, dtype=torch.int64)
-    allowed = ((bitmask.to(torch.int64)[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()  # [n, V]
-    if allowed.shape[1] < vocab:  # ids past the mask's words: never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[-1])
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
