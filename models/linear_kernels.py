@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.quantized import QuantizedWeight
+from models.quantized import QuantizedWeight, round_rows
 
 logger = logging.getLogger("specd.models")
 
@@ -53,12 +53,14 @@ SAMPLE_BYTES = 64 << 20
 # was most of the tuning time, costs a quarter.
 LADDER_FROM, LADDER_SAMPLE_BYTES = 33, SAMPLE_BYTES // 4
 REPEATS = 3
-# The weight-only kernel (a layer's quantized copy) is timed up to this many rows: its cost grows
-# with the rows (it widens the weight per block of rows), and by 8 it lost to a dense product on
-# every CPU measured. Those rungs are timed cold: a decode step streams every weight from memory,
-# and a sample warm in a large last-level cache (300 MiB on a Xeon measured) flattered the dense
-# layouts, which read 2-4x the bytes.
-QUANTIZED_ROWS = 8
+# The weight-only kernel (a layer's quantized copy) is timed up to this many rows: it reads the
+# weights once for every row, but spends an integer dot product per row per weight, so its cost
+# grows with the rows (17920 x 1536 int4 on a 2-core AMX Xeon, warm: 0.46 ms at 1 row, 0.94 at
+# 8, 1.9 at 16, where a dense bf16 product took 2.6-2.9 at each); past 16 a dense product won
+# on every CPU measured. Those rungs are timed cold: a decode step streams every weight from
+# memory, and a sample warm in a large last-level cache (300 MiB on a Xeon measured) flattered
+# the dense layouts, which read 2-4x the bytes.
+QUANTIZED_ROWS = 16
 # The transposed layout must beat the standard one by this much: a tie is not worth a change.
 MIN_GAIN = 0.05
 
@@ -132,10 +134,10 @@ class KernelTable:
 
 STANDARD = KernelTable()
 DENSE = "dense"
-# Where nothing was timed (`--no-tune-kernels`), a quantized copy runs steps of up to 4 rows: on
-# the CPUs measured, torch's weight-only kernels beat a dense product at 1-3 rows and tied at 4.
+# Where nothing was timed (`--no-tune-kernels`), a quantized copy runs steps of up to 8 rows: on
+# the CPUs measured, the weight-only kernel beat a dense product by 2x or more up to 8 rows.
 UNTUNED_QUANTIZED = KernelTable(
-    tuple(QUANTIZED if m <= 4 else STANDARD_LAYOUT for m in RUNGS), tuple(1.0 for _ in RUNGS)
+    tuple(QUANTIZED if m <= 8 else STANDARD_LAYOUT for m in RUNGS), tuple(1.0 for _ in RUNGS)
 )
 
 
@@ -166,9 +168,12 @@ class ModelKernels:
 
 
 UNTUNED = ModelKernels()
-# `--batch-invariant`: every product, quantized ones on their dense values, in fixed-size calls.
+# `--batch-invariant`: every dense product in fixed-size calls (`chunked_linear`).
+# Quantized ones run their weight-only kernel at every size: it gives a row the same bits whatever
+# shares the call, and reads a quarter of the dense bytes.
 INVARIANT_TABLE = KernelTable(tuple(CHUNKED for _ in RUNGS), tuple(1.0 for _ in RUNGS), beyond=CHUNKED)
-INVARIANT = ModelKernels(layers=INVARIANT_TABLE, output=INVARIANT_TABLE, untimed_quantized=INVARIANT_TABLE)
+WEIGHT_ONLY_TABLE = KernelTable(tuple(QUANTIZED for _ in RUNGS), tuple(1.0 for _ in RUNGS), beyond=QUANTIZED)
+INVARIANT = ModelKernels(layers=INVARIANT_TABLE, output=INVARIANT_TABLE, untimed_quantized=WEIGHT_ONLY_TABLE)
 # x @ W^T for every product, quantized ones too (a benchmark's baseline).
 STANDARD_ONLY = ModelKernels(untimed_quantized=STANDARD)
 
@@ -195,7 +200,11 @@ def linear(
     packed: torch.Tensor | None = None,
     quantized: QuantizedWeight | None = None,
 ) -> torch.Tensor:
-    """x @ W^T + b in `layout` (PACKED needs `packed`, `pack(weight)`; QUANTIZED needs `quantized`)."""
+    """x @ W^T + b in `layout` (PACKED needs `packed`, `pack(weight)`; QUANTIZED needs `quantized`).
+    A quantized layer's dense layouts multiply the rows as its kernel rounds them (`round_rows`),
+    so every layout computes one model."""
+    if quantized is not None and layout != QUANTIZED:
+        x = round_rows(x)
     if layout == STANDARD_LAYOUT:
         return F.linear(x, weight, bias)
     if layout == CHUNKED:

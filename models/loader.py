@@ -184,10 +184,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model, tokenizer = _load_pretrained(_hf_source(cfg.model), model_id, cfg, device, dtype)
     model.eval()
     model.requires_grad_(False)
-    plan = weights.plan_for(cfg.weights, model, gguf_path, device)
+    built = device.type == "cpu" and cpu_kernels.load(cfg.cache_dir or default_cache_dir())
+    plan = weights.plan_for(cfg.weights, model, gguf_path, device)  # quantized layers need the kernels
     weights.apply(model, plan, dtype)
     lean = lean_forward(model)  # fuses q/k/v and gate/up first: the products are timed as they run
-    built = device.type == "cpu" and cpu_kernels.load(cfg.cache_dir or default_cache_dir())
     if cfg.batch_invariant:
         kernels = _invariant_kernels(model, lean, built)
     else:

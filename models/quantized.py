@@ -1,25 +1,28 @@
-"""Weight-only quantized copies of linear layers: int8 per output channel, int4 in groups of 32 inputs.
+"""Weight-only quantized copies of linear layers: int8 and int4, in groups of 32 inputs.
 
 On a CPU a decode step is a read of every weight. A GGUF ships its weights at 4-6 bits; widened
 to bfloat16 they cost 3-4x the bytes per step (Qwen2.5-Coder-1.5B Q4_K_M: 1.1 GB on disk, 3.1 GB
-per step). A quantized layer multiplies with torch's own weight-only CPU kernels, the ones
-gpt-fast and torchao use:
+per step). A quantized layer multiplies with specd's own kernels (`csrc/quant_linear.cpp`), which
+read each weight once for every token row of a step and multiply with integer dot products on
+the rows quantized to int8 per group of `GROUP` inputs, as llama.cpp does:
 
-- int8: `aten._weight_int8pack_mm`, codes [N, K] int8 and one scale per output row
-  (w = code * scale, symmetric).
-- int4: `aten._weight_int4pack_mm_for_cpu`, codes packed by `aten._convert_weight_to_int4pack_for_cpu`
-  and a (scale, zero) pair per row and group of `GROUP` inputs (w = (code - 8) * scale + zero,
-  asymmetric). 32 is the sub-block of llama.cpp's Q4_K: a Q4_K tensor is requantized on its own
-  groups (from their min and max, scale and zero rounded to the served dtype).
+- int8: codes in -127..127 and a float16 scale per row and group of `GROUP` inputs
+  (w = code * scale), as GGUF's Q8_0.
+- int4: codes in 0..15 and a float16 scale and minimum per row and group of `GROUP` inputs
+  (w = code * scale + minimum). 32 is the sub-block of llama.cpp's Q4_K: a Q4_K tensor is
+  requantized on its own groups, from their minimum and maximum.
 
-Those kernels win where a step is a weights read, and lose where it is compute: their cost grows
-with the rows in a step (on a 2-core AMX Xeon, one 17920 x 1536 product, warm in cache: 1 row
-0.9 ms int4 against 2.1 ms bfloat16, 8 rows 3.3 ms against 2.0, 256 rows 105 ms against 9). So a
-quantized layer keeps its dense weight too, set to the values its codes stand for (rounded to
-the served dtype): the model served is the quantized one at every step size, and the kernel
-table (`models.linear_kernels`, timed per row count at load) picks the weight-only kernel or a
-dense layout per step. Resident cost: the dense weight (and its packed copy where a dense layout
-packs) plus 1 (int8) or 0.5 (int4) bytes per weight.
+torch's weight-only kernels (`aten._weight_int4pack_mm_for_cpu`, the ones gpt-fast uses) widen
+every weight to a float lane and ran out of arithmetic before memory: on a 2-core AMX Xeon one
+17920 x 1536 int4 product took 0.9 ms at 1 row and 3.3 ms at 8, where these take 0.46 and 0.94.
+Their cost still grows with the rows (an integer dot product per row per weight), so a quantized
+layer keeps its dense weight too, set to the values its codes stand for (rounded to the served
+dtype), and the kernel table (`models.linear_kernels`, timed per row count at load) picks the
+weight-only kernel or a dense layout per step. The two differ by the rows' int8 rounding (a
+relative 0.5% of a product), as the dtype's rounding differs between step shapes; each row's sums
+are its own, so a row gets the same bits from the kernel whatever shares its step. Resident
+cost: the dense weight (and its packed copy where a dense layout packs) plus 1.0625 (int8) or
+0.625 (int4) bytes per weight.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 from torch import nn
 
 INT8, INT4 = "int8", "int4"
-GROUP = 32  # inputs per int4 (scale, zero) group
+GROUP = 32  # inputs per int4 (scale, minimum) group, and per activation scale in the kernels
+TILE = 16  # output rows per tile of the kernels' layout
 
 
 class QuantizedWeight:
@@ -39,6 +43,11 @@ class QuantizedWeight:
     fmt: str
     out_features: int
     in_features: int
+
+    @property
+    def padded(self) -> bool:
+        """Whether the layout holds rows past `out_features` (it cannot stack before another)."""
+        return False
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [M, K] @ W^T -> [M, N] in rows' dtype, through the weight-only kernel."""
@@ -52,80 +61,129 @@ class QuantizedWeight:
         raise NotImplementedError
 
 
-class Int8Weight(QuantizedWeight):
+def kernels_available() -> bool:
+    """Whether specd's CPU kernels (`models/csrc/quant_linear.cpp`: x86 with AVX2) are registered."""
+    return hasattr(torch.ops.specd, "int4_linear")
+
+
+def round_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] with each group of GROUP inputs rounded to int8 as the kernels round a token row:
+    a quantized layer's dense product on these rows is its weight-only product."""
+    return torch.ops.specd.int8_round(x)
+
+
+def _tiles(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] padded with zero rows to whole tiles of TILE outputs."""
+    pad = -weight.shape[0] % TILE
+    return torch.cat([weight, weight.new_zeros(pad, weight.shape[1])]) if pad else weight
+
+
+class _Tiled(QuantizedWeight):
+    """Codes in tiles of TILE output rows (the kernel's layout); the last tile may be padded."""
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
+        return out if out.shape[1] == self.out_features else out[:, : self.out_features].contiguous()
+
+    @property
+    def padded(self) -> bool:
+        return self.out_features % TILE != 0
+
+
+def _tile_major(t: torch.Tensor) -> torch.Tensor:
+    """Per (row, group) values [N, K/32] -> [N/16, K/32, 16], the kernels' order."""
+    return t.view(-1, TILE, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _float16_fits(weight: torch.Tensor) -> bool:
+    return bool(weight.abs().max() < torch.finfo(torch.float16).max / 2)
+
+
+class Int8Weight(_Tiled):
     fmt = INT8
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
-        self.codes, self.scales = codes, scales  # [N, K] int8; [N] in the activations' dtype
-        self.out_features, self.in_features = codes.shape
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, out_features: int):
+        # codes [N/16, K/4, 64] int8 (tile, input quad, 16 rows x 4 inputs);
+        # scales [N/16, K/32, 16] float16: w = code * scale
+        self.codes, self.scales = codes, scales
+        self.out_features, self.in_features = out_features, codes.shape[1] * 4
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        return weight.shape[1] % GROUP == 0 and weight.device.type == "cpu" and _float16_fits(weight)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> tuple[Int8Weight, torch.Tensor]:
-        w = weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny).to(dtype)
-        codes = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(codes.contiguous(), scales), (codes.float() * scales.float()[:, None]).to(dtype)
+        n, k = weight.shape
+        w = _tiles(weight.detach().float()).view(-1, k // GROUP, GROUP)
+        scales = (w.abs().amax(dim=-1) / 127.0).to(torch.float16)  # as the kernel reads it
+        scale = scales.float()[..., None]
+        codes = torch.where(scale > 0, torch.round(w / scale.clamp(min=1e-30)), 0.0).clamp_(-127, 127)
+        dense = (codes * scale).view(-1, k)[:n].to(dtype)
+        tiled = codes.to(torch.int8).view(-1, TILE, k // 4, 4).permute(0, 2, 1, 3).reshape(-1, k // 4, 64)
+        return cls(tiled.contiguous(), _tile_major(scales), n), dense
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        scales = self.scales if self.scales.dtype == rows.dtype else self.scales.to(rows.dtype)
-        return torch.ops.aten._weight_int8pack_mm(rows, self.codes, scales)
+        return self._finish(torch.ops.specd.int8_linear(rows, self.codes, self.scales))
 
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
 
     def head(self, rows: int) -> Int8Weight:
-        return Int8Weight(self.codes[:rows], self.scales[:rows])
+        tiles = min(self.codes.shape[0], -(-rows // TILE))
+        return Int8Weight(self.codes[:tiles], self.scales[:tiles], min(self.out_features, tiles * TILE))
 
 
-class Int4Weight(QuantizedWeight):
+class Int4Weight(_Tiled):
     fmt = INT4
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int, in_features: int):
-        # packed: torch's kernel layout (private to it: AVX2 and AVX-512 builds differ);
-        # scales_zeros [K / GROUP, N, 2] in the activations' dtype.
-        self.packed, self.scales_zeros = packed, scales_zeros
-        self.out_features, self.in_features = out_features, in_features
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, out_features: int):
+        # codes [N/16, K/8, 64] uint8 (tile, input octet, 16 rows x 4 inputs, two codes a byte);
+        # scales, mins [N/16, K/32, 16] float16: w = code * scale + min
+        self.codes, self.scales, self.mins = codes, scales, mins
+        self.out_features, self.in_features = out_features, codes.shape[1] * 8
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
-        """Whole groups of inputs, and outputs in the multiples of 16 torch's packing takes."""
-        return weight.shape[1] % GROUP == 0 and weight.shape[0] % 16 == 0 and weight.device.type == "cpu"
+        """Whole groups of inputs, and scales and minima float16 can hold."""
+        return weight.shape[1] % GROUP == 0 and weight.device.type == "cpu" and _float16_fits(weight)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> tuple[Int4Weight, torch.Tensor]:
         n, k = weight.shape
-        w = weight.detach().float().view(n, k // GROUP, GROUP)
+        w = _tiles(weight.detach().float()).view(-1, k // GROUP, GROUP)
         low, high = w.amin(dim=-1), w.amax(dim=-1)
-        scales = ((high - low) / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
-        codes = torch.round((w - low[..., None]) / scales[..., None]).clamp_(0, 15)
-        # What the kernel computes with: (code - 8) * scale + zero, scale and zero in `dtype`.
-        scales_zeros = torch.stack((scales, low + 8.0 * scales), dim=-1).to(dtype)  # [N, K / GROUP, 2]
-        scale, zero = scales_zeros.float().unbind(-1)
-        dense = ((codes - 8.0) * scale[..., None] + zero[..., None]).view(n, k).to(dtype)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(n, k).to(torch.int32), 1)
-        return cls(packed, scales_zeros.transpose(0, 1).contiguous(), n, k), dense
+        # Scale and minimum as the kernel reads them (float16), the codes chosen for those.
+        scales = ((high - low) / 15.0).to(torch.float16)
+        mins = low.to(torch.float16)
+        scale, minimum = scales.float()[..., None], mins.float()[..., None]
+        codes = torch.where(scale > 0, torch.round((w - minimum) / scale.clamp(min=1e-30)), 0.0).clamp_(0, 15)
+        dense = (codes * scale + minimum).view(-1, k)[:n].to(dtype)
+        nibbles = codes.to(torch.uint8).view(-1, TILE, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # tile, octet, row, j, half
+        packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(-1, k // 8, 64).contiguous()
+
+        return cls(packed, _tile_major(scales), _tile_major(mins), n), dense
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        sz = self.scales_zeros if self.scales_zeros.dtype == rows.dtype else self.scales_zeros.to(rows.dtype)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, sz)
+        return self._finish(torch.ops.specd.int4_linear(rows, self.codes, self.scales, self.mins))
 
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_zeros.nbytes
+        return self.codes.nbytes + self.scales.nbytes + self.mins.nbytes
 
     def head(self, rows: int) -> Int4Weight:
-        # torch's layout blocks 64 output rows at most (AVX-512; 32 on AVX2): whole blocks slice.
-        rows = min(self.out_features, -(-rows // 64) * 64)
-        return Int4Weight(self.packed[:rows], self.scales_zeros[:, :rows].contiguous(), rows, self.in_features)
+        tiles = min(self.codes.shape[0], -(-rows // TILE))
+        return Int4Weight(
+            self.codes[:tiles], self.scales[:tiles], self.mins[:tiles], min(self.out_features, tiles * TILE)
+        )
 
 
-def quantize(weight: torch.Tensor, fmt: str, dtype: torch.dtype) -> tuple[QuantizedWeight, torch.Tensor]:
-    """`weight` [N, K] in `fmt`, and the dense weight [N, K] in `dtype` its codes stand for (int4
-    falls back to int8 where the shape does not fit its packing, `Int4Weight.fits`)."""
-    if fmt == INT4 and Int4Weight.fits(weight):
-        return Int4Weight.quantize(weight, dtype)
-    if fmt in (INT4, INT8):
-        return Int8Weight.quantize(weight, dtype)
-    raise ValueError(f"unknown weight format {fmt!r}")
+def quantize(weight: torch.Tensor, fmt: str, dtype: torch.dtype) -> tuple[QuantizedWeight, torch.Tensor] | None:
+    """`weight` [N, K] in `fmt`, and the dense weight [N, K] in `dtype` its codes stand for; None
+    where it does not fit (inputs not in whole groups of GROUP, or values float16 scales cannot
+    hold): the layer stays dense."""
+    if fmt not in (INT4, INT8):
+        raise ValueError(f"unknown weight format {fmt!r}")
+    kind = Int4Weight if fmt == INT4 else Int8Weight
+    return kind.quantize(weight, dtype) if kind.fits(weight) else None
 
 
 class StackedWeight(QuantizedWeight):
@@ -149,25 +207,23 @@ class StackedWeight(QuantizedWeight):
 
 def concatenate(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
     """Weights sharing their input (q, k and v) as one, stacked along the outputs: exact, as every
-    output row is quantized on its own. Where their formats differ, or where torch's int4 layout
-    does not stack (checked on a probe row: that layout is the kernel's own), one call each."""
-    if len({type(w) for w in weights}) != 1:
+    output row is quantized on its own and tiles are independent. Where their formats differ, or
+    a part other than the last ends in a padded tile, one call each."""
+    if len({type(w) for w in weights}) != 1 or any(w.padded for w in weights[:-1]):
         return StackedWeight(weights)
+    out_features = sum(w.out_features for w in weights)
     if isinstance(weights[0], Int8Weight):
         return Int8Weight(
             torch.cat([w.codes for w in weights]),  # type: ignore[attr-defined]
             torch.cat([w.scales for w in weights]),  # type: ignore[attr-defined]
+            out_features,
         )
-    fused = Int4Weight(
-        torch.cat([w.packed for w in weights]),  # type: ignore[attr-defined]
-        torch.cat([w.scales_zeros for w in weights], dim=1),  # type: ignore[attr-defined]
-        sum(w.out_features for w in weights),
-        weights[0].in_features,
+    return Int4Weight(
+        torch.cat([w.codes for w in weights]),  # type: ignore[attr-defined]
+        torch.cat([w.scales for w in weights]),  # type: ignore[attr-defined]
+        torch.cat([w.mins for w in weights]),  # type: ignore[attr-defined]
+        out_features,
     )
-    probe = torch.randn(1, fused.in_features, dtype=fused.scales_zeros.dtype)
-    if not torch.equal(fused.matmul(probe), torch.cat([w.matmul(probe) for w in weights], dim=-1)):
-        return StackedWeight(weights)
-    return fused
 
 
 def footprint(

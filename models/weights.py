@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from models.linear_kernels import TunedLinear
-from models.quantized import INT4, INT8, quantize
+from models.quantized import INT4, INT8, kernels_available, quantize
 
 logger = logging.getLogger("specd.models")
 
@@ -87,6 +87,13 @@ def plan_for(choice: str, model: Any, gguf_path: Path | None, device: torch.devi
     if device.type != "cpu":
         logger.warning("--weights %s: the weight-only kernels are CPU-only here; serving dense weights", choice)
         return {}
+    if not kernels_available():
+        logger.warning(
+            "--weights %s: specd's int4/int8 kernels are not built here (they need x86 with AVX2 and a C++ "
+            "compiler); serving dense weights",
+            choice,
+        )
+        return {}
     if choice == "auto":
         assert gguf_path is not None
         try:
@@ -111,7 +118,10 @@ def apply(model: Any, plan: Plan, dtype: torch.dtype) -> None:
     if OUTPUT in plan and isinstance(output, nn.Linear):
         targets.append((output, plan[OUTPUT]))
     for layer, fmt in targets:
-        copy, dense = quantize(layer.weight, fmt, dtype)
+        quantized = quantize(layer.weight, fmt, dtype)
+        if quantized is None:  # inputs not in whole groups: the layer stays dense
+            continue
+        copy, dense = quantized
         layer.weight.data.copy_(dense)
         if type(layer) is nn.Linear:
             layer.__class__ = TunedLinear

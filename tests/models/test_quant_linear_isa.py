@@ -1,0 +1,85 @@
+"""The int4/int8 kernels built for other x86 instruction sets than this machine's give the same bits.
+
+specd builds its kernels with `-march=native`, so a server on an AVX2-only CPU runs other code
+(256-bit vectors, `vpmaddubsw` instead of VNNI) than the AVX-512 machine a figure came from. The
+dot products are exact integers and every row's float sums run in one order on each path, so
+each build must agree with this machine's to the bit. Each variant is built in a subprocess (its
+ops have the same names) for a CPU this one can run, else skipped.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import cpu_kernels
+from models.quantized import INT4, INT8, kernels_available, quantize
+
+# -march value -> the /proc/cpuinfo flags the build needs to run here
+VARIANTS = {
+    "haswell": {"avx2", "fma", "f16c"},  # AVX2, no VNNI: 256-bit vpmaddubsw
+    "skylake-avx512": {"avx512f", "avx512bw", "avx512vl"},  # AVX-512, no VNNI
+    "alderlake": {"avx2", "avx_vnni"},  # AVX-VNNI: 256-bit vpdpbusd
+}
+
+CASES = [(INT4, 100, 256, 1), (INT4, 96, 128, 11), (INT8, 100, 256, 2), (INT8, 48, 64, 9)]  # rows: every chain count
+
+BUILD = textwrap.dedent(
+    """
+    import sys, torch
+    from torch.utils import cpp_extension
+    source, march, build, cases, out = sys.argv[1:6]
+    cpp_extension.load(name="specd_quant_" + march.replace("-", "_"), sources=[source],
+                       extra_cflags=["-O3", "-march=" + march, "-fopenmp"], extra_ldflags=["-fopenmp"],
+                       build_directory=build, is_python_module=False)
+    results = []
+    for fmt, copy, x in torch.load(cases):
+        if fmt == "int4":
+            results.append(torch.ops.specd.int4_linear(x, *copy))
+        else:
+            results.append(torch.ops.specd.int8_linear(x, *copy))
+    results.append(torch.ops.specd.int8_round(x))
+    torch.save(results, out)
+    """
+)
+
+
+def _cpu_flags() -> set[str]:
+    return set(cpu_kernels._cpu_flags().partition(":")[2].split())
+
+
+def _tensors(copy) -> tuple[torch.Tensor, ...]:
+    return (copy.codes, copy.scales, copy.mins) if copy.fmt == INT4 else (copy.codes, copy.scales)
+
+
+@pytest.mark.parametrize("march", sorted(VARIANTS))
+def test_a_build_for_another_instruction_set_gives_the_same_bits(built_kernels, march, tmp_path: Path):
+    if not kernels_available():
+        pytest.skip("specd's quantized kernels are built for x86 with AVX2 only")
+    if missing := VARIANTS[march] - _cpu_flags():
+        pytest.skip(f"this CPU cannot run a -march={march} build (no {', '.join(sorted(missing))})")
+    torch.manual_seed(0)
+    cases = []
+    for fmt, n, k, rows in CASES:
+        copy, _ = quantize(torch.randn(n, k), fmt, torch.bfloat16)
+        cases.append((fmt, _tensors(copy), torch.randn(rows, k, dtype=torch.bfloat16)))
+    torch.save(cases, tmp_path / "cases.pt")
+    source = cpu_kernels.CSRC / "quant_linear.cpp"
+    subprocess.run(
+        [sys.executable, "-c", BUILD, str(source), march, str(tmp_path), str(tmp_path / "cases.pt"),
+         str(tmp_path / "out.pt")],
+        check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    theirs = torch.load(tmp_path / "out.pt")
+    ours = [
+        torch.ops.specd.int4_linear(x, *copy) if fmt == INT4 else torch.ops.specd.int8_linear(x, *copy)
+        for fmt, copy, x in cases
+    ]
+    ours.append(torch.ops.specd.int8_round(cases[-1][2]))
+    for mine, other in zip(ours, theirs, strict=True):
+        assert torch.equal(mine, other)
