@@ -39,6 +39,10 @@ namespace {
 constexpr int64_t kGroup = 32;  // inputs per activation scale (and per int4 weight scale)
 constexpr int64_t kTile = 16;   // output rows per weight tile
 constexpr int kMaxRows = 8;     // token rows whose accumulators stay in registers
+// Codes are prefetched this far ahead: a 1-row step's loop did not keep enough loads in flight
+// for the hardware prefetcher alone (int4 read 18 GB/s cold on a 2-core Xeon, 27 with this,
+// where a streaming read reached 26-28).
+constexpr int64_t kPrefetch = 2048;
 
 // The integer dot products at one vector width. `kRows` output rows per vector (4 bytes each).
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -249,7 +253,9 @@ void int4_tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* min
       for (int c = 0; c < kChains<MB>; ++c)
         for (int r = 0; r < MB; ++r) acc[c][r] = Isa::zero();
       for (int64_t o = 0; o < kGroup / 8; ++o) {
-        const typename Isa::I v = Isa::load(codes + (g * (kGroup / 8) + o) * 64 + part * kPartBytes);
+        const uint8_t* at = codes + (g * (kGroup / 8) + o) * 64 + part * kPartBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetch), _MM_HINT_T0);
+        const typename Isa::I v = Isa::load(at);
         const typename Isa::I lo = Isa::band(v, low);
         const typename Isa::I hi = Isa::band(Isa::shr4(v), low);
         const int c_lo = (2 * o) % kChains<MB>, c_hi = (2 * o + 1) % kChains<MB>;
@@ -296,6 +302,7 @@ void int8_tile(const int8_t* codes, const uint16_t* scales, const QuantizedRows&
       for (int64_t quad = 0; quad < kGroup / 4; ++quad) {
         const int c = quad % kChains<MB>;
         const auto* p = reinterpret_cast<const uint8_t*>(codes) + (g * (kGroup / 4) + quad) * 64 + part * kPartBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
         const typename Isa::I w = Isa::load(p);
         // VNNI multiplies unsigned by signed bytes: w + 128 as unsigned, 128 * sum(q) taken off below.
         // Without it, |w| times q with w's sign (pairs of 127 * 127 fit 16 bits).
