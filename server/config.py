@@ -196,15 +196,16 @@ class Settings(BaseSettings):
         description="Weight format (CPU): auto keeps a GGUF's quantized tensors quantized, each in the nearest "
         "of int8 (5-8 bit types) and int4 (4-bit and smaller), and a float checkpoint dense; bf16 serves every "
         "weight dense in --dtype; int8 / int4 quantize every linear layer (the output projection int8). A "
-        "quantized layer keeps its dense values too, and the per-step-size timing at load picks torch's "
-        "weight-only kernel (decode steps of a few rows) or the dense product (verify and prefill).",
+        "quantized layer keeps its dense values too, and the per-step-size timing at load picks specd's "
+        "weight-only kernel (steps of up to ~16 rows: decode and verify) or the dense product (prefill).",
     )
     batch_invariant: bool = Field(
         False,
         description="Give every token the same bits whatever shares its step (CPU, docs/determinism.md): each "
-        "linear layer runs in fixed 16-row calls (no tuned or weight-only kernels) and attention for every row, "
-        "decode, verify or prefill, in the paged kernel. Output then does not change with the batch or with "
-        "speculation, in bf16 too; refused at start where this CPU's BLAS cannot hold it.",
+        "dense linear layer runs in fixed 16-row calls (no tuned layouts), a quantized one its weight-only "
+        "kernel at every size, and attention for every row, decode, verify or prefill, in the paged kernel. "
+        "Output then does not change with the batch or with speculation, in bf16 too; refused at start where "
+        "this CPU's BLAS cannot hold it.",
     )
     tune_kernels: bool = Field(
         True,

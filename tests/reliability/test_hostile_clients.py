@@ -43,9 +43,11 @@ HOSTILE_GAP_S = 0.025
 
 @pytest.fixture(scope="module")
 def hostile_server(specd_cache_dir, tmp_path_factory):
-    """The bundled SmolLM2 (steps that cost what a served model's cost) with the battery's limits."""
+    """The bundled SmolLM2 (steps that cost what a served model's cost) with the battery's limits. Dense
+    float32 weights: "nothing changed" compares texts across batch compositions, and quantized layers'
+    int8 rounding of their rows can flip a greedy near-tie between compositions (docs/determinism.md)."""
     args = serve_args(
-        cache_dir=specd_cache_dir, served_model_name=INPUT_MODEL, dtype="float32",
+        cache_dir=specd_cache_dir, served_model_name=INPUT_MODEL, dtype="float32", weights="bf16",
         max_num_seqs=HONEST_STREAMS, max_model_len=INPUT_MAX_MODEL_LEN, max_body_bytes=INPUT_MAX_BODY_BYTES,
     )  # fmt: skip
     server = start_server(args, tmp_path_factory.mktemp("hostile"), "hostile")

@@ -29,9 +29,11 @@ pytestmark = [
 
 
 def test_greedy_output_with_the_draft_model_equals_plain_decoding_in_float32():
+    """Batch-invariant: the quantized layers round their rows to int8, so outside that mode a row a
+    verify step computes a last bit apart from a one-token step can flip a near-tie (docs/determinism.md)."""
     from benchmarks.public_sets import load
 
-    target = load_model(ModelConfig(TARGET, dtype="float32", device="cpu"))
+    target = load_model(ModelConfig(TARGET, dtype="float32", device="cpu", batch_invariant=True))
     prompts = [text for _, text in load("humaneval")[:8]]
     tokenizer = target.tokenizer
     ids = [tokenizer.encode(chat_text(tokenizer, [{"role": "user", "content": p}]), add_special_tokens=False)
