@@ -181,6 +181,7 @@ struct QuantizedRows {
 };
 
 constexpr int kGroupVectors = kGroup / Isa::kRows;  // float vectors per group: 2 (AVX-512) or 4
+constexpr float kTiny = 1e-30f;
 
 inline typename Isa::F load_floats(const float* p) { return Isa::floats(p); }
 inline typename Isa::F load_floats(const at::BFloat16* p) { return Isa::widen_bf16(p); }
@@ -196,7 +197,8 @@ inline float quantize_group(const scalar_t* in, typename Isa::I* codes, int32_t*
     amax = Isa::max(amax, Isa::abs(values[v]));
   }
   const float group_max = Isa::reduce_max(amax);
-  const typename Isa::F inverse = Isa::splat(group_max > 0.0f ? 127.0f / group_max : 0.0f);
+  // A group below kTiny rounds to zeros: 127 / max would overflow to inf near float's smallest values.
+  const typename Isa::F inverse = Isa::splat(group_max > kTiny ? 127.0f / group_max : 0.0f);
   typename Isa::I sum = Isa::zero();
   for (int v = 0; v < kGroupVectors; ++v) {
     codes[v] = Isa::round(Isa::mul(values[v], inverse));  // |code| <= 127: no clamp needed
@@ -228,8 +230,8 @@ QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t dim) {
 constexpr int kParts = kTile / Isa::kRows;  // vectors per tile: 1 (AVX-512) or 2 (AVX2)
 constexpr int64_t kPartBytes = 64 / kParts;
 
-// Independent accumulators per token row: a dot product's latency (5 cycles for vpdpbusd) over
-// one chain of 8 per group, not the loads, bounded a 1-row step; more rows give the same overlap.
+// Independent accumulators per token row, so a 1-row step does not wait on one chain of 8
+// dependent dot products per group (vpdpbusd: 5 cycles each); more rows overlap by themselves.
 template <int MB>
 constexpr int kChains = MB == 1 ? 4 : MB == 2 ? 2 : 1;
 
