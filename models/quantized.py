@@ -28,6 +28,7 @@ cost: the dense weight (and its packed copy where a dense layout packs) plus 1.0
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -78,38 +79,57 @@ def _tiles(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros(pad, weight.shape[1])]) if pad else weight
 
 
-class _Tiled(QuantizedWeight):
-    """Codes in tiles of TILE output rows (the kernel's layout); the last tile may be padded."""
+def _tile_major(t: torch.Tensor) -> torch.Tensor:
+    """Per (row, group) values [N, K/32] -> [N/16, K/32, 16], the kernels' order."""
+    return t.view(-1, TILE, t.shape[1]).transpose(1, 2).contiguous()
 
-    def _finish(self, out: torch.Tensor) -> torch.Tensor:
+
+def _codes(values: torch.Tensor, scale: torch.Tensor, low: int, high: int) -> torch.Tensor:
+    """round(values / scale) within [low, high]; 0 where the scale is 0 (a group of one value)."""
+    return torch.where(scale > 0, torch.round(values / scale.clamp(min=1e-30)), 0.0).clamp_(low, high)
+
+
+class _Tiled(QuantizedWeight):
+    """Codes in tiles of TILE output rows (the kernels' layout; the last tile may be padded), and
+    per-tile scales: every tensor of `tensors` is sliced and stacked by tile along its first axis."""
+
+    kernel: ClassVar[str]  # its op in torch.ops.specd, called as kernel(rows, *tensors)
+    inputs_per_column: ClassVar[int]  # inputs per 64-byte column of a tile's codes
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], out_features: int):
+        self.tensors = tensors  # codes first
+        self.out_features, self.in_features = out_features, tensors[0].shape[1] * self.inputs_per_column
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Whole groups of inputs, and values float16 scales can hold."""
+        return (
+            weight.shape[1] % GROUP == 0
+            and weight.device.type == "cpu"
+            and bool(weight.abs().max() < torch.finfo(torch.float16).max / 2)
+        )
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        out = getattr(torch.ops.specd, self.kernel)(rows, *self.tensors)
         return out if out.shape[1] == self.out_features else out[:, : self.out_features].contiguous()
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def head(self, rows: int) -> _Tiled:
+        tiles = min(self.tensors[0].shape[0], -(-rows // TILE))
+        return type(self)(tuple(t[:tiles] for t in self.tensors), min(self.out_features, tiles * TILE))
 
     @property
     def padded(self) -> bool:
         return self.out_features % TILE != 0
 
 
-def _tile_major(t: torch.Tensor) -> torch.Tensor:
-    """Per (row, group) values [N, K/32] -> [N/16, K/32, 16], the kernels' order."""
-    return t.view(-1, TILE, t.shape[1]).transpose(1, 2).contiguous()
-
-
-def _float16_fits(weight: torch.Tensor) -> bool:
-    return bool(weight.abs().max() < torch.finfo(torch.float16).max / 2)
-
-
 class Int8Weight(_Tiled):
-    fmt = INT8
+    """codes [N/16, K/4, 64] int8 (tile, input quad, 16 rows x 4 inputs); scales [N/16, K/32, 16]
+    float16: w = code * scale."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, out_features: int):
-        # codes [N/16, K/4, 64] int8 (tile, input quad, 16 rows x 4 inputs);
-        # scales [N/16, K/32, 16] float16: w = code * scale
-        self.codes, self.scales = codes, scales
-        self.out_features, self.in_features = out_features, codes.shape[1] * 4
-
-    @staticmethod
-    def fits(weight: torch.Tensor) -> bool:
-        return weight.shape[1] % GROUP == 0 and weight.device.type == "cpu" and _float16_fits(weight)
+    fmt, kernel, inputs_per_column = INT8, "int8_linear", 4
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> tuple[Int8Weight, torch.Tensor]:
@@ -117,35 +137,17 @@ class Int8Weight(_Tiled):
         w = _tiles(weight.detach().float()).view(-1, k // GROUP, GROUP)
         scales = (w.abs().amax(dim=-1) / 127.0).to(torch.float16)  # as the kernel reads it
         scale = scales.float()[..., None]
-        codes = torch.where(scale > 0, torch.round(w / scale.clamp(min=1e-30)), 0.0).clamp_(-127, 127)
+        codes = _codes(w, scale, -127, 127)
         dense = (codes * scale).view(-1, k)[:n].to(dtype)
         tiled = codes.to(torch.int8).view(-1, TILE, k // 4, 4).permute(0, 2, 1, 3).reshape(-1, k // 4, 64)
-        return cls(tiled.contiguous(), _tile_major(scales), n), dense
-
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return self._finish(torch.ops.specd.int8_linear(rows, self.codes, self.scales))
-
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
-
-    def head(self, rows: int) -> Int8Weight:
-        tiles = min(self.codes.shape[0], -(-rows // TILE))
-        return Int8Weight(self.codes[:tiles], self.scales[:tiles], min(self.out_features, tiles * TILE))
+        return cls((tiled.contiguous(), _tile_major(scales)), n), dense
 
 
 class Int4Weight(_Tiled):
-    fmt = INT4
+    """codes [N/16, K/8, 64] uint8 (tile, input octet, 16 rows x 4 inputs, two codes a byte);
+    scales, mins [N/16, K/32, 16] float16: w = code * scale + min."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, out_features: int):
-        # codes [N/16, K/8, 64] uint8 (tile, input octet, 16 rows x 4 inputs, two codes a byte);
-        # scales, mins [N/16, K/32, 16] float16: w = code * scale + min
-        self.codes, self.scales, self.mins = codes, scales, mins
-        self.out_features, self.in_features = out_features, codes.shape[1] * 8
-
-    @staticmethod
-    def fits(weight: torch.Tensor) -> bool:
-        """Whole groups of inputs, and scales and minima float16 can hold."""
-        return weight.shape[1] % GROUP == 0 and weight.device.type == "cpu" and _float16_fits(weight)
+    fmt, kernel, inputs_per_column = INT4, "int4_linear", 8
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> tuple[Int4Weight, torch.Tensor]:
@@ -156,24 +158,11 @@ class Int4Weight(_Tiled):
         scales = ((high - low) / 15.0).to(torch.float16)
         mins = low.to(torch.float16)
         scale, minimum = scales.float()[..., None], mins.float()[..., None]
-        codes = torch.where(scale > 0, torch.round((w - minimum) / scale.clamp(min=1e-30)), 0.0).clamp_(0, 15)
+        codes = _codes(w - minimum, scale, 0, 15)
         dense = (codes * scale + minimum).view(-1, k)[:n].to(dtype)
         nibbles = codes.to(torch.uint8).view(-1, TILE, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # tile, octet, row, j, half
         packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(-1, k // 8, 64).contiguous()
-
-        return cls(packed, _tile_major(scales), _tile_major(mins), n), dense
-
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return self._finish(torch.ops.specd.int4_linear(rows, self.codes, self.scales, self.mins))
-
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes + self.mins.nbytes
-
-    def head(self, rows: int) -> Int4Weight:
-        tiles = min(self.codes.shape[0], -(-rows // TILE))
-        return Int4Weight(
-            self.codes[:tiles], self.scales[:tiles], self.mins[:tiles], min(self.out_features, tiles * TILE)
-        )
+        return cls((packed, _tile_major(scales), _tile_major(mins)), n), dense
 
 
 def quantize(weight: torch.Tensor, fmt: str, dtype: torch.dtype) -> tuple[QuantizedWeight, torch.Tensor] | None:
@@ -209,21 +198,12 @@ def concatenate(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
     """Weights sharing their input (q, k and v) as one, stacked along the outputs: exact, as every
     output row is quantized on its own and tiles are independent. Where their formats differ, or
     a part other than the last ends in a padded tile, one call each."""
-    if len({type(w) for w in weights}) != 1 or any(w.padded for w in weights[:-1]):
+    tiled = [w for w in weights if isinstance(w, _Tiled)]
+    kind = type(weights[0])
+    if len(tiled) != len(weights) or any(type(w) is not kind for w in tiled) or any(w.padded for w in tiled[:-1]):
         return StackedWeight(weights)
-    out_features = sum(w.out_features for w in weights)
-    if isinstance(weights[0], Int8Weight):
-        return Int8Weight(
-            torch.cat([w.codes for w in weights]),  # type: ignore[attr-defined]
-            torch.cat([w.scales for w in weights]),  # type: ignore[attr-defined]
-            out_features,
-        )
-    return Int4Weight(
-        torch.cat([w.codes for w in weights]),  # type: ignore[attr-defined]
-        torch.cat([w.scales for w in weights]),  # type: ignore[attr-defined]
-        torch.cat([w.mins for w in weights]),  # type: ignore[attr-defined]
-        out_features,
-    )
+    stacked = tuple(torch.cat(parts) for parts in zip(*(w.tensors for w in tiled)))
+    return tiled[0].__class__(stacked, sum(w.out_features for w in tiled))
 
 
 def footprint(

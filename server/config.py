@@ -193,19 +193,17 @@ class Settings(BaseSettings):
     )
     weights: Literal["auto", "bf16", "int8", "int4"] = Field(
         "auto",
-        description="Weight format (CPU): auto keeps a GGUF's quantized tensors quantized, each in the nearest "
-        "of int8 (5-8 bit types) and int4 (4-bit and smaller), and a float checkpoint dense; bf16 serves every "
-        "weight dense in --dtype; int8 / int4 quantize every linear layer (the output projection int8). A "
-        "quantized layer keeps its dense values too, and the per-step-size timing at load picks specd's "
-        "weight-only kernel (steps of up to ~16 rows: decode and verify) or the dense product (prefill).",
+        description="Weight format (CPU): auto keeps a GGUF's quantized tensors quantized (int8 for 5-8 bit types, "
+        "int4 for 4-bit and smaller) and a float checkpoint dense; bf16 serves every weight dense in --dtype; int8 "
+        "/ int4 quantize every linear layer (the output projection int8). Quantized layers keep their dense values "
+        "too; the timing at load picks, per step size, specd's weight-only kernel (up to ~16 rows) or the dense one.",
     )
     batch_invariant: bool = Field(
         False,
-        description="Give every token the same bits whatever shares its step (CPU, docs/determinism.md): each "
-        "dense linear layer runs in fixed 16-row calls (no tuned layouts), a quantized one its weight-only "
-        "kernel at every size, and attention for every row, decode, verify or prefill, in the paged kernel. "
-        "Output then does not change with the batch or with speculation, in bf16 too; refused at start where "
-        "this CPU's BLAS cannot hold it.",
+        description="Give every token the same bits whatever shares its step (CPU, docs/determinism.md): dense "
+        "linear layers in fixed 16-row calls (no tuned layouts), quantized ones through their weight-only kernel, "
+        "attention for every row in the paged kernel. Output then does not change with the batch or with "
+        "speculation, in bf16 too; refused at start where this CPU's BLAS cannot hold it.",
     )
     tune_kernels: bool = Field(
         True,

@@ -34,6 +34,8 @@
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int64_t kGroup = 32;  // inputs per activation scale (and per int4 weight scale)
@@ -87,13 +89,6 @@ struct Isa {
   static float reduce_max(F a) { return _mm512_reduce_max_ps(a); }
   static int32_t reduce_add(I a) { return _mm512_reduce_add_epi32(a); }
   static void store_bytes(int8_t* p, I a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a)); }
-  static void store_floats(float* p, F a) { _mm512_storeu_ps(p, a); }
-  static void store_floats(at::BFloat16* p, F a) {  // rounded to nearest even, as c10::BFloat16
-    const __m512i bits = _mm512_castps_si512(a);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
-  }
   static F halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static F floats(const float* p) { return _mm512_loadu_ps(p); }
   static F splat(float v) { return _mm512_set1_ps(v); }
@@ -153,14 +148,6 @@ struct Isa {
   static void store_bytes(int8_t* p, I a) {  // 8 int32 lanes in -127..127 -> 8 bytes
     const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));
-  }
-  static void store_floats(float* p, F a) { _mm256_storeu_ps(p, a); }
-  static void store_floats(at::BFloat16* p, F a) {  // rounded to nearest even, as c10::BFloat16
-    const __m256i bits = _mm256_castps_si256(a);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-    const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), halves);
   }
   static F halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F floats(const float* p) { return _mm256_loadu_ps(p); }
@@ -225,6 +212,12 @@ QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t dim) {
     }
   });
   return out;
+}
+
+// `count` floats (a multiple of simd::kLanes) to scalar_t, rounded as torch rounds (simd.h).
+template <typename scalar_t>
+inline void store_rounded(scalar_t* dest, const float* values, int64_t count) {
+  for (int64_t c = 0; c < count; c += specd::simd::kLanes) specd::simd::store_vec(dest + c, specd::simd::load_vec(values + c));
 }
 
 constexpr int kParts = kTile / Isa::kRows;  // vectors per tile: 1 (AVX-512) or 2 (AVX2)
@@ -357,7 +350,7 @@ void run_tiles(int64_t rows, int64_t outputs, scalar_t* out, Tile&& tile) {
         dispatch_rows(mb, [&](auto size) { tile(t, m0, size, block); });
         for (int r = 0; r < mb; ++r) {
           scalar_t* dest = out + (m0 + r) * outputs + t * kTile;
-          for (int64_t c = 0; c < kTile; ++c) dest[c] = static_cast<scalar_t>(block[r * kTile + c]);
+          store_rounded(dest, block + r * kTile, kTile);
         }
       }
     }
@@ -442,13 +435,13 @@ at::Tensor int8_round(const at::Tensor& x) {
     const scalar_t* in = rows.data_ptr<scalar_t>();
     scalar_t* dest = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows.numel() / kGroup, 256, [&](int64_t begin, int64_t end) {
+      float values[kGroup];
       for (int64_t i = begin; i < end; ++i) {
         typename Isa::I codes[kGroupVectors];
         int32_t total;
         const typename Isa::F scale = Isa::splat(quantize_group(in + i * kGroup, codes, &total));
-        for (int v = 0; v < kGroupVectors; ++v) {
-          Isa::store_floats(dest + i * kGroup + v * Isa::kRows, Isa::mul(Isa::to_float(codes[v]), scale));
-        }
+        for (int v = 0; v < kGroupVectors; ++v) Isa::store(values + v * Isa::kRows, Isa::mul(Isa::to_float(codes[v]), scale));
+        store_rounded(dest + i * kGroup, values, kGroup);
       }
     });
   });
