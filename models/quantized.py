@@ -36,6 +36,7 @@ from torch import nn
 INT8, INT4 = "int8", "int4"
 GROUP = 32  # inputs per int4 (scale, minimum) group, and per activation scale in the kernels
 TILE = 16  # output rows per tile of the kernels' layout
+LAYOUT_VERSION = 1  # of the codes, scales and minimums as stored: a change rebuilds packed caches
 
 
 class QuantizedWeight:
@@ -59,6 +60,10 @@ class QuantizedWeight:
 
     def head(self, rows: int) -> QuantizedWeight:
         """The first `rows` output rows or more (a view), for timing a sample of a large weight."""
+        raise NotImplementedError
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] its codes stand for, in `dtype` (computed in float32, then rounded)."""
         raise NotImplementedError
 
 
@@ -89,7 +94,7 @@ def _codes(values: torch.Tensor, scale: torch.Tensor, low: int, high: int) -> to
     return torch.where(scale > 0, torch.round(values / scale.clamp(min=1e-30)), 0.0).clamp_(low, high)
 
 
-class _Tiled(QuantizedWeight):
+class TiledWeight(QuantizedWeight):
     """Codes in tiles of TILE output rows (the kernels' layout; the last tile may be padded), and
     per-tile scales: every tensor of `tensors` is sliced and stacked by tile along its first axis."""
 
@@ -99,6 +104,11 @@ class _Tiled(QuantizedWeight):
     def __init__(self, tensors: tuple[torch.Tensor, ...], out_features: int):
         self.tensors = tensors  # codes first
         self.out_features, self.in_features = out_features, tensors[0].shape[1] * self.inputs_per_column
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> TiledWeight:
+        """`weight` [N, K] (whole groups of inputs: `fits`) in this format."""
+        raise NotImplementedError
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -116,7 +126,7 @@ class _Tiled(QuantizedWeight):
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    def head(self, rows: int) -> _Tiled:
+    def head(self, rows: int) -> TiledWeight:
         tiles = min(self.tensors[0].shape[0], -(-rows // TILE))
         return type(self)(tuple(t[:tiles] for t in self.tensors), min(self.out_features, tiles * TILE))
 
@@ -124,55 +134,87 @@ class _Tiled(QuantizedWeight):
     def padded(self) -> bool:
         return self.out_features % TILE != 0
 
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.values().view(-1, self.in_features)[: self.out_features].to(dtype)
 
-class Int8Weight(_Tiled):
+    def values(self) -> torch.Tensor:
+        """The tiles' weights in float32, [N/16, 16 rows, K/32 groups, 32]."""
+        raise NotImplementedError
+
+    def _group_values(self, tiled: torch.Tensor) -> torch.Tensor:
+        """Per (tile, group, row) values [N/16, K/32, 16] -> [N/16, 16, K/32, 1], beside values()."""
+        return tiled.float().transpose(1, 2)[..., None]
+
+
+class Int8Weight(TiledWeight):
     """codes [N/16, K/4, 64] int8 (tile, input quad, 16 rows x 4 inputs); scales [N/16, K/32, 16]
     float16: w = code * scale."""
 
     fmt, kernel, inputs_per_column = INT8, "int8_linear", 4
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> tuple[Int8Weight, torch.Tensor]:
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
         n, k = weight.shape
         w = _tiles(weight.detach().float()).view(-1, k // GROUP, GROUP)
         scales = (w.abs().amax(dim=-1) / 127.0).to(torch.float16)  # as the kernel reads it
-        scale = scales.float()[..., None]
-        codes = _codes(w, scale, -127, 127)
-        dense = (codes * scale).view(-1, k)[:n].to(dtype)
+        codes = _codes(w, scales.float()[..., None], -127, 127)
         tiled = codes.to(torch.int8).view(-1, TILE, k // 4, 4).permute(0, 2, 1, 3).reshape(-1, k // 4, 64)
-        return cls((tiled.contiguous(), _tile_major(scales)), n), dense
+        return cls((tiled.contiguous(), _tile_major(scales)), n)
+
+    def values(self) -> torch.Tensor:
+        codes, scales = self.tensors
+        k = self.in_features
+        rows = codes.view(-1, k // 4, TILE, 4).transpose(1, 2).reshape(-1, TILE, k // GROUP, GROUP)
+        return rows.float() * self._group_values(scales)
 
 
-class Int4Weight(_Tiled):
+class Int4Weight(TiledWeight):
     """codes [N/16, K/8, 64] uint8 (tile, input octet, 16 rows x 4 inputs, two codes a byte);
     scales, mins [N/16, K/32, 16] float16: w = code * scale + min."""
 
     fmt, kernel, inputs_per_column = INT4, "int4_linear", 8
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> tuple[Int4Weight, torch.Tensor]:
+    def quantize(cls, weight: torch.Tensor) -> Int4Weight:
         n, k = weight.shape
         w = _tiles(weight.detach().float()).view(-1, k // GROUP, GROUP)
         low, high = w.amin(dim=-1), w.amax(dim=-1)
         # Scale and minimum as the kernel reads them (float16), the codes chosen for those.
         scales = ((high - low) / 15.0).to(torch.float16)
         mins = low.to(torch.float16)
-        scale, minimum = scales.float()[..., None], mins.float()[..., None]
-        codes = _codes(w - minimum, scale, 0, 15)
-        dense = (codes * scale + minimum).view(-1, k)[:n].to(dtype)
+        codes = _codes(w - mins.float()[..., None], scales.float()[..., None], 0, 15)
         nibbles = codes.to(torch.uint8).view(-1, TILE, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # tile, octet, row, j, half
         packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(-1, k // 8, 64).contiguous()
-        return cls((packed, _tile_major(scales), _tile_major(mins)), n), dense
+        return cls((packed, _tile_major(scales), _tile_major(mins)), n)
+
+    def values(self) -> torch.Tensor:
+        packed, scales, mins = self.tensors
+        k = self.in_features
+        nibbles = torch.stack([packed & 15, packed >> 4], dim=-1).view(
+            -1, k // 8, TILE, 4, 2
+        )  # tile, octet, row, j, half
+        codes = nibbles.permute(0, 2, 1, 4, 3).reshape(-1, TILE, k // GROUP, GROUP)
+        return codes.float() * self._group_values(scales) + self._group_values(mins)
 
 
-def quantize(weight: torch.Tensor, fmt: str, dtype: torch.dtype) -> tuple[QuantizedWeight, torch.Tensor] | None:
-    """`weight` [N, K] in `fmt`, and the dense weight [N, K] in `dtype` its codes stand for; None
-    where it does not fit (inputs not in whole groups of GROUP, or values float16 scales cannot
-    hold): the layer stays dense."""
-    if fmt not in (INT4, INT8):
+FORMATS: dict[str, type[TiledWeight]] = {INT8: Int8Weight, INT4: Int4Weight}
+
+
+def restore(fmt: str, tensors: Sequence[torch.Tensor], out_features: int) -> QuantizedWeight:
+    """A weight from the `tensors` of a copy in `fmt` (as saved: `models.weights.save_layers`)."""
+    if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}")
-    kind = Int4Weight if fmt == INT4 else Int8Weight
-    return kind.quantize(weight, dtype) if kind.fits(weight) else None
+    return FORMATS[fmt](tuple(tensors), out_features)
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight | None:
+    """`weight` [N, K] in `fmt` (its `dense` values: the weight a model serves with it); None where
+    it does not fit (inputs not in whole groups of GROUP, or values float16 scales cannot hold):
+    the layer stays dense."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}")
+    kind = FORMATS[fmt]
+    return kind.quantize(weight) if kind.fits(weight) else None
 
 
 class StackedWeight(QuantizedWeight):
@@ -198,7 +240,7 @@ def concatenate(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
     """Weights sharing their input (q, k and v) as one, stacked along the outputs: exact, as every
     output row is quantized on its own and tiles are independent. Where their formats differ, or
     a part other than the last ends in a padded tile, one call each."""
-    tiled = [w for w in weights if isinstance(w, _Tiled)]
+    tiled = [w for w in weights if isinstance(w, TiledWeight)]
     kind = type(weights[0])
     if len(tiled) != len(weights) or any(type(w) is not kind for w in tiled) or any(w.padded for w in tiled[:-1]):
         return StackedWeight(weights)

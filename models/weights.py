@@ -14,16 +14,19 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from models.linear_kernels import TunedLinear
-from models.quantized import INT4, INT8, kernels_available, quantize
+from models.quantized import INT4, INT8, QuantizedWeight, TiledWeight, kernels_available, quantize, restore
 
 logger = logging.getLogger("specd.models")
 
@@ -78,21 +81,28 @@ def uniform_plan(model: Any, fmt: str) -> Plan:
     return plan
 
 
-def plan_for(choice: str, model: Any, gguf_path: Path | None, device: torch.device) -> Plan:
-    """The plan `--weights choice` means for `model` (loaded from `gguf_path`, if from a GGUF)."""
+def quantizes(choice: str, from_gguf: bool, device: torch.device) -> bool:
+    """Whether `--weights choice` quantizes layers of a model on `device` (warns where it cannot)."""
     if choice not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}; got {choice!r}")
-    if choice == BF16 or (choice == "auto" and gguf_path is None):
-        return {}
+    if choice == BF16 or (choice == "auto" and not from_gguf):
+        return False
     if device.type != "cpu":
         logger.warning("--weights %s: the weight-only kernels are CPU-only here; serving dense weights", choice)
-        return {}
+        return False
     if not kernels_available():
         logger.warning(
             "--weights %s: specd's int4/int8 kernels are not built here (they need x86 with AVX2 and a C++ "
             "compiler); serving dense weights",
             choice,
         )
+        return False
+    return True
+
+
+def plan_for(choice: str, model: Any, gguf_path: Path | None, device: torch.device) -> Plan:
+    """The plan `--weights choice` means for `model` (loaded from `gguf_path`, if from a GGUF)."""
+    if not quantizes(choice, gguf_path is not None, device):
         return {}
     if choice == "auto":
         assert gguf_path is not None
@@ -105,24 +115,73 @@ def plan_for(choice: str, model: Any, gguf_path: Path | None, device: torch.devi
 
 
 @torch.no_grad()
-def apply(model: Any, plan: Plan, dtype: torch.dtype) -> None:
-    """Quantize `model`'s planned linear layers in place: each keeps a weight-only copy
-    (`quantized_weight`) and its dense weight becomes the values those codes stand for, so the
-    model served is the quantized one whichever kernel a step runs (the dense values rounded to
-    `dtype`: in bfloat16 the two kernels differ by that rounding, as step shapes do)."""
-    if not plan:
-        return
+def quantize_layers(model: Any, plan: Plan) -> dict[str, QuantizedWeight]:
+    """Copies of `model`'s planned linear layers in their formats, from their weights as they are;
+    keyed by module name. A layer whose inputs are not in whole groups stays dense (absent), as
+    does an output projection that is the input embedding too."""
     output = model.get_output_embeddings()
+    tied = output.weight is model.get_input_embeddings().weight
     modules = dict(model.named_modules())
-    targets = [(modules[name], fmt) for name, fmt in plan.items() if isinstance(modules.get(name), nn.Linear)]
-    if OUTPUT in plan and isinstance(output, nn.Linear):
-        targets.append((output, plan[OUTPUT]))
-    for layer, fmt in targets:
-        quantized = quantize(layer.weight, fmt, dtype)
-        if quantized is None:  # inputs not in whole groups: the layer stays dense
+    output_name = next(name for name, module in modules.items() if module is output)
+    layers: dict[str, QuantizedWeight] = {}
+    for name, fmt in plan.items():
+        name = output_name if name == OUTPUT else name
+        layer = modules.get(name)
+        if not isinstance(layer, nn.Linear) or (layer is output and tied):
             continue
-        copy, dense = quantized
-        layer.weight.data.copy_(dense)
+        if (copy := quantize(layer.weight, fmt)) is not None:
+            layers[name] = copy
+    return layers
+
+
+def attach(model: Any, layers: dict[str, QuantizedWeight]) -> None:
+    """Give each named layer its weight-only copy. Its dense weight must already hold the values
+    the codes stand for (`QuantizedWeight.dense`): the model served is the quantized one whichever
+    kernel a step runs."""
+    modules = dict(model.named_modules())
+    for name, copy in layers.items():
+        layer = modules[name]
         if type(layer) is nn.Linear:
             layer.__class__ = TunedLinear
         layer.quantized_weight = copy
+
+
+@torch.no_grad()
+def apply(model: Any, plan: Plan, dtype: torch.dtype) -> None:
+    """Quantize `model`'s planned linear layers in place: each keeps a weight-only copy and its
+    dense weight becomes the values those codes stand for, rounded to `dtype` (in bfloat16 the two
+    kernels differ by that rounding, as step shapes do)."""
+    layers = quantize_layers(model, plan)
+    modules = dict(model.named_modules())
+    for name, copy in layers.items():
+        modules[name].weight.data.copy_(copy.dense(dtype))
+    attach(model, layers)
+
+
+# --- the packed form on disk (`models.loader`'s cache of a quantized GGUF) --------------------
+
+
+def save_layers(layers: dict[str, QuantizedWeight], path: Path) -> None:
+    """Each copy's tensors as `<module>.<i>`, its format and rows in the file's metadata."""
+    tensors: dict[str, torch.Tensor] = {}
+    index: dict[str, tuple[str, int, int]] = {}
+    for name, copy in layers.items():
+        if not isinstance(copy, TiledWeight):
+            raise TypeError(f"{name}: only single-format copies are saved, not {type(copy).__name__}")
+        for i, tensor in enumerate(copy.tensors):
+            tensors[f"{name}.{i}"] = tensor.contiguous()
+        index[name] = (copy.fmt, copy.out_features, len(copy.tensors))
+    save_file(tensors, str(path), metadata={"format": "specd-quantized", "layers": json.dumps(index)})
+
+
+def load_layers(path: Path) -> dict[str, QuantizedWeight]:
+    """What `save_layers` wrote."""
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+        if metadata.get("format") != "specd-quantized":
+            raise ValueError(f"{path} does not hold specd's quantized layers")
+        index = json.loads(metadata["layers"])
+        return {
+            name: restore(fmt, [f.get_tensor(f"{name}.{i}") for i in range(parts)], rows)
+            for name, (fmt, rows, parts) in index.items()
+        }

@@ -55,9 +55,9 @@ def models_command(args: argparse.Namespace) -> int:
 
 def _converter(cache_dir: Path):
     def convert(path: Path) -> None:
-        from models.loader import ModelConfig, local_model_dir
+        from models.loader import ModelConfig, prepare
 
-        print(f"converting {path.name} for serving (once)", file=sys.stderr)
-        local_model_dir(ModelConfig(model=str(path), cache_dir=cache_dir))
+        print(f"converting {path.name} for serving with the default --weights (once)", file=sys.stderr)
+        prepare(ModelConfig(model=str(path), cache_dir=cache_dir))
 
     return convert

@@ -11,9 +11,10 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models import loader
+from models import cpu_kernels, loader, quantized, weights
 from models.loader import (
     DEFAULT_MODEL_ID,
     LoadedModel,
@@ -230,8 +231,37 @@ def test_broken_gguf_cache_is_rebuilt(fake_gguf, damage):
     assert torch.isfinite(_logits(loaded)).all()
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantized_conversion_is_cached_packed_and_serves_the_same_model(fake_gguf, tiny_dirs, fmt):
+    if not quantized.kernels_available() and not cpu_kernels.load(fake_gguf["cfg"].cache_dir):
+        pytest.skip("specd's int4/int8 kernels are not built here")
+    cfg = dataclasses.replace(fake_gguf["cfg"], weights=fmt, tune_kernels=False)
+    first, second = load_model(cfg), load_model(cfg)
+
+    assert len(fake_gguf["calls"]) == 1
+    [entry] = _cache_entries(fake_gguf["models_dir"])
+    assert entry.name.endswith(f"-{fmt}")
+    layers = weights.load_layers(entry / "quantized.safetensors")
+    assert layers and {layer.fmt for layer in layers.values()} == {fmt}
+    with safe_open(str(entry / "model.safetensors"), framework="pt") as f:
+        dense = set(f.keys())
+    assert not dense & {f"{name}.weight" for name in layers}  # stored once, as codes
+    assert "model.embed_tokens.weight" in dense
+    # What a load that quantizes the float checkpoint serves, bit for bit (float32).
+    reference = load_model(ModelConfig(str(tiny_dirs["qwen2"]), dtype="float32", device="cpu", weights=fmt,
+                                       tune_kernels=False))  # fmt: skip
+    assert torch.equal(_logits(first), _logits(reference)) and torch.equal(_logits(second), _logits(reference))
+    model = second.model
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    modules = dict(model.named_modules())
+    served = {name: modules[name].quantized_weight for name in layers if modules[name].quantized_weight}
+    assert any(name.endswith("o_proj") for name in served)  # q/k/v and gate/up are fused: theirs moved
+    for name, kept in served.items():
+        assert all(torch.equal(a, b) for a, b in zip(kept.tensors, layers[name].tensors, strict=True))
+
+
 def test_failed_conversion_leaves_no_cache(fake_gguf, monkeypatch):
-    def crash(model, tokenizer, out: Path):
+    def crash(model, tokenizer, out: Path, layers=None):
         (out / "config.json").write_text("{")
         raise RuntimeError("killed mid-conversion")
 

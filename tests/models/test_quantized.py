@@ -49,7 +49,8 @@ def rows_as_the_kernel_rounds_them(x: torch.Tensor) -> torch.Tensor:
 def test_the_weight_only_kernel_computes_the_dense_values_product_on_int8_rows(fmt, dtype, rows, shape):
     torch.manual_seed(0)
     weight = torch.randn(*shape)
-    copy, dense = quantize(weight, fmt, dtype)
+    copy = quantize(weight, fmt)
+    dense = copy.dense(dtype)
     assert copy.fmt == fmt and dense.dtype == dtype and dense.shape == weight.shape
     x = torch.randn(rows, shape[1], dtype=dtype)
     got = copy.matmul(x)
@@ -67,7 +68,7 @@ def test_the_weight_only_kernel_computes_the_dense_values_product_on_int8_rows(f
 @pytest.mark.parametrize("fmt", [INT8, INT4])
 def test_a_row_gets_the_same_bits_alone_or_among_others(fmt):
     torch.manual_seed(3)
-    copy, _ = quantize(torch.randn(64, 256), fmt, torch.bfloat16)
+    copy = quantize(torch.randn(64, 256), fmt)
     x = torch.randn(19, 256, dtype=torch.bfloat16)
     together = copy.matmul(x)
     for i in (0, 7, 8, 18):
@@ -76,7 +77,8 @@ def test_a_row_gets_the_same_bits_alone_or_among_others(fmt):
 
 def test_rows_of_zeros_and_weights_of_one_value_are_exact():
     constant = torch.full((32, 64), 0.25)
-    copy, dense = quantize(constant, INT4, torch.float32)
+    copy = quantize(constant, INT4)
+    dense = copy.dense(torch.float32)
     assert torch.equal(dense, constant)  # a group of one value: scale 0, the minimum is the value
     x = torch.zeros(3, 64)
     x[1, 3] = 2.0
@@ -89,7 +91,7 @@ def test_the_codes_stay_within_half_a_step_of_the_weight(fmt, bound):
     """Symmetric int8 per group: half of max|w| / 127; asymmetric int4 per group: half of range / 15."""
     torch.manual_seed(1)
     weight = torch.randn(64, 256)
-    _, dense = quantize(weight, fmt, torch.float32)
+    dense = quantize(weight, fmt).dense(torch.float32)
     groups = weight.view(64, -1, GROUP)
     if fmt == INT8:  # plus float16's rounding of the scale (2^-11 of it, 127 steps)
         scale = groups.abs().amax(-1).repeat_interleave(GROUP, dim=1) * (1 + 127 * 2 * 2**-11)
@@ -100,19 +102,19 @@ def test_the_codes_stay_within_half_a_step_of_the_weight(fmt, bound):
 
 
 def test_inputs_in_whole_groups_or_the_layer_stays_dense():
-    assert quantize(torch.randn(32, 48), INT4, torch.float32) is None  # 48 inputs: not whole groups of 32
-    assert quantize(torch.randn(32, 48), INT8, torch.float32) is None
+    assert quantize(torch.randn(32, 48), INT4) is None  # 48 inputs: not whole groups of 32
+    assert quantize(torch.randn(32, 48), INT8) is None
     huge = torch.randn(32, 64)
     huge[0, 0] = 1e6  # beyond what float16 scales hold
-    assert quantize(huge, INT4, torch.float32) is None and quantize(huge, INT8, torch.float32) is None
+    assert quantize(huge, INT4) is None and quantize(huge, INT8) is None
     with pytest.raises(ValueError, match="unknown weight format"):
-        quantize(torch.randn(4, 32), "int3", torch.float32)
+        quantize(torch.randn(4, 32), "int3")
 
 
 @pytest.mark.parametrize("fmt", [INT8, INT4])
 def test_copies_of_one_format_stack_into_one_exact_product(fmt):
     torch.manual_seed(2)
-    parts = [quantize(torch.randn(n, 128), fmt, torch.float32)[0] for n in (128, 64, 40)]
+    parts = [quantize(torch.randn(n, 128), fmt) for n in (128, 64, 40)]
     fused = concatenate(parts)
     assert not isinstance(fused, StackedWeight) and fused.out_features == 232  # the last part's tile padded
     x = torch.randn(2, 128)
@@ -122,7 +124,7 @@ def test_copies_of_one_format_stack_into_one_exact_product(fmt):
 
 
 def test_copies_in_different_formats_run_one_call_each():
-    parts = [quantize(torch.randn(64, 128), fmt, torch.float32)[0] for fmt in (INT4, INT4, INT8)]
+    parts = [quantize(torch.randn(64, 128), fmt) for fmt in (INT4, INT4, INT8)]
     stacked = concatenate(parts)
     assert isinstance(stacked, StackedWeight) and stacked.fmt == "int4+int8" and stacked.out_features == 192
     x = torch.randn(3, 128)
@@ -131,7 +133,7 @@ def test_copies_in_different_formats_run_one_call_each():
 
 @pytest.mark.parametrize("fmt", [INT8, INT4])
 def test_the_head_of_a_copy_is_its_first_rows(fmt):
-    copy, _ = quantize(torch.randn(320, 128), fmt, torch.float32)
+    copy = quantize(torch.randn(320, 128), fmt)
     head = copy.head(100)
     assert head.out_features == 112  # whole tiles of 16 rows
     x = torch.randn(2, 128)
@@ -141,11 +143,10 @@ def test_the_head_of_a_copy_is_its_first_rows(fmt):
 
 def quantized_layer(fmt: str, n: int = 64, k: int = 128) -> TunedLinear:
     layer = nn.Linear(k, n)
-    quantized = quantize(layer.weight, fmt, torch.float32)
-    assert quantized is not None
-    copy, dense = quantized
+    copy = quantize(layer.weight, fmt)
+    assert copy is not None
     with torch.no_grad():
-        layer.weight.copy_(dense)
+        layer.weight.copy_(copy.dense(torch.float32))
     layer.__class__ = TunedLinear
     layer.quantized_weight = copy
     return layer
