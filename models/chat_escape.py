@@ -13,10 +13,11 @@ control tokens, in order, gets that encoding unchanged: ordinary chats are token
 before, byte for byte. Otherwise some content made a control token (alone or joined with
 the template's text), and the pieces are encoded apart.
 
-Tool definitions (`tools`) are the client's text too: every string in them (names,
-descriptions, parameter schemas) that holds control-token text, or part of one at its edge, gets
-a placeholder of its own, and is encoded as plain text in the form the template printed it
-(JSON-escaped by `tojson`, as Qwen2.5's and Llama's templates print tools, or raw).
+Tool definitions (`tools`) and those messages' other fields (a tool result's `name`) are the
+client's text too: every string in them (names, descriptions, parameter schemas) that holds
+control-token text, or part of one at its edge, gets a placeholder of its own, and is encoded as
+plain text in the form the template printed it (JSON-escaped by `tojson`, as Qwen2.5's and
+Llama's templates print tools, or raw).
 
 Assistant messages are the model's own earlier outputs (`<tool_call>` included) and stay
 as the template renders them.
@@ -55,18 +56,26 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], **template_kwargs: 
     # (`tojson` escapes nothing in them): no client text can hold either.
     nonce = secrets.token_hex(8)
     marker, tool_marker = "\ue000" + nonce, "SPECDTOOL" + nonce
+    added = [token.content for token in tokenizer.added_tokens_decoder.values() if token.content]
     contents: dict[str, str] = {}
+    tool_strings: dict[str, str] = {}
     skeleton_messages = []
     for i, message in enumerate(messages):
         content = message.get("content")
-        if message.get("role") in ESCAPED_ROLES and isinstance(content, str) and content:
-            placeholder = f"{marker}:{i}\ue001"
-            contents[placeholder] = content
-            message = {**message, "content": placeholder}
+        if message.get("role") in ESCAPED_ROLES:
+            # The message's other strings (`name`, `tool_call_id`) are the client's too.
+            message = {
+                key: (
+                    value if key in ("role", "content") else _with_placeholders(value, tool_marker, tool_strings, added)
+                )
+                for key, value in message.items()
+            }
+            if isinstance(content, str) and content:
+                placeholder = f"{marker}:{i}\ue001"
+                contents[placeholder] = content
+                message["content"] = placeholder
         skeleton_messages.append(message)
-    tool_strings: dict[str, str] = {}
     if template_kwargs.get("tools"):
-        added = [token.content for token in tokenizer.added_tokens_decoder.values() if token.content]
         tools = _with_placeholders(template_kwargs["tools"], tool_marker, tool_strings, added)
         template_kwargs = {**template_kwargs, "tools": tools}
     if not contents and not tool_strings:
