@@ -90,7 +90,8 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], **template_kwargs: 
     texts = _placeholder_texts(pieces, contents, tool_strings, text)
     if texts is None:  # a template that changed a tool string's text some other way: refuse to guess
         raise UnescapedToolText(
-            "tool definitions hold control-token text that this chat template prints in a form specd cannot escape"
+            "tool definitions or message fields hold control-token text that this chat template prints in a form "
+            "specd cannot escape"
         )
     logger.info("message content or tool definitions held control-token text: encoded as plain text")
     plain = plain_encoder(tokenizer)

@@ -10,7 +10,8 @@ the rows quantized to int8 per group of `GROUP` inputs, as llama.cpp does:
   (w = code * scale), as GGUF's Q8_0.
 - int4: codes in 0..15 and a float16 scale and minimum per row and group of `GROUP` inputs
   (w = code * scale + minimum). 32 is the sub-block of llama.cpp's Q4_K: a Q4_K tensor is
-  requantized on its own groups, from their minimum and maximum.
+  requantized on its own groups, each on the grid its values sit on (`_grid_steps`), so it keeps
+  the file's values; other weights on 15 steps from their minimum to their maximum.
 
 torch's weight-only kernels (`aten._weight_int4pack_mm_for_cpu`, the ones gpt-fast uses) widen
 every weight to a float lane and ran out of arithmetic before memory: on a 2-core AMX Xeon one
@@ -36,7 +37,7 @@ from torch import nn
 INT8, INT4 = "int8", "int4"
 GROUP = 32  # inputs per int4 (scale, minimum) group, and per activation scale in the kernels
 TILE = 16  # output rows per tile of the kernels' layout
-LAYOUT_VERSION = 1  # of the codes, scales and minimums as stored: a change rebuilds packed caches
+LAYOUT_VERSION = 2  # of the codes, scales and minimums as stored: a change rebuilds packed caches
 
 
 class QuantizedWeight:
@@ -87,6 +88,23 @@ def _tiles(weight: torch.Tensor) -> torch.Tensor:
 def _tile_major(t: torch.Tensor) -> torch.Tensor:
     """Per (row, group) values [N, K/32] -> [N/16, K/32, 16], the kernels' order."""
     return t.view(-1, TILE, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _grid_steps(w: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Per group of w [G, GROUP], the steps k <= 15 of an evenly spaced grid from its minimum to
+    its maximum that every value sits on; 15 where none does (float weights). A 4-bit GGUF
+    tensor's groups already sit on a grid of 16 levels or fewer (Q4_K: d * sc * q - dmin * m, q in
+    0..15), but its codes need not span 0..15: min-max requantization on 15 steps would move every
+    value that falls between the new levels. On their own grid they keep their values (the scale
+    and minimum rounded to float16 apart)."""
+    span = high - low
+    unit = (w - low[..., None]) / span.clamp(min=1e-30)[..., None]  # 0..1 within each group
+    gaps = unit.sort(dim=-1).values.diff(dim=-1)
+    gap = torch.where(gaps > 1e-3, gaps, 1.0).amin(dim=-1)  # between the closest distinct values: one step
+    steps = torch.round(1.0 / gap).clamp(1, 15)
+    scaled = unit * steps[..., None]
+    on_grid = (scaled - scaled.round()).abs().amax(dim=-1) < 1e-3
+    return torch.where(on_grid & (span > 0) & (gap > 1 / 15.5), steps, 15.0)
 
 
 def _codes(values: torch.Tensor, scale: torch.Tensor, low: int, high: int) -> torch.Tensor:
@@ -180,7 +198,7 @@ class Int4Weight(TiledWeight):
         w = _tiles(weight.detach().float()).view(-1, k // GROUP, GROUP)
         low, high = w.amin(dim=-1), w.amax(dim=-1)
         # Scale and minimum as the kernel reads them (float16), the codes chosen for those.
-        scales = ((high - low) / 15.0).to(torch.float16)
+        scales = ((high - low) / _grid_steps(w, low, high)).to(torch.float16)
         mins = low.to(torch.float16)
         codes = _codes(w - mins.float()[..., None], scales.float()[..., None], 0, 15)
         nibbles = codes.to(torch.uint8).view(-1, TILE, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # tile, octet, row, j, half

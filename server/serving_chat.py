@@ -175,7 +175,7 @@ def render_prompt(ctx: ServingContext, req: ChatCompletionRequest, messages: lis
             **(req.chat_template_kwargs or {}),
         )
     except UnescapedToolText as exc:
-        raise BadRequestError(str(exc), param="tools") from None
+        raise BadRequestError(str(exc), param="tools" if req.tools else "messages") from None
     except TemplateError as exc:  # a template that rejects these messages (jinja's raise_exception): its words
         raise BadRequestError(f"the chat template rejected the messages: {exc}", param="messages") from None
     except Exception as exc:  # noqa: BLE001 - anything else the template does wrong: no internals in the reply

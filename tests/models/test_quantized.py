@@ -185,3 +185,23 @@ def test_a_quantized_layer_computes_the_same_product_in_every_layout(fmt):
     assert linear_kernels.UNTUNED_QUANTIZED.layout(1) == QUANTIZED
     assert linear_kernels.UNTUNED_QUANTIZED.layout(8) == QUANTIZED
     assert linear_kernels.UNTUNED_QUANTIZED.layout(9) == STANDARD_LAYOUT
+
+
+def test_int4_keeps_weights_that_sit_on_a_grid_of_16_levels_or_fewer():
+    """A Q4_K sub-block: w = scale * q - offset, q in 0..15, its codes spanning only part of that
+    range. Requantized on its own grid it keeps its values, where 15 min-max steps would move them."""
+    torch.manual_seed(4)
+    n, k = 32, 256
+    scale = torch.rand(n, k // GROUP, 1) * 0.01 + 0.001
+    offset = torch.rand(n, k // GROUP, 1) * 0.1
+    first = torch.randint(0, 4, (n, k // GROUP, 1))
+    q = first + torch.randint(0, 12, (n, k // GROUP, GROUP))  # spans 0..14 at most, fewer levels in most groups
+    q[..., :2] = torch.cat([first, first + 11], dim=-1)  # ... and some q between
+    weight = (scale * q - offset).view(n, k)
+    dense = quantize(weight, INT4).dense(torch.float32)
+    # float16's rounding of a group's scale and minimum apart (2^-11 of each)
+    assert (dense - weight).abs().max() < 16 * scale.max() * 2**-11 + offset.max() * 2**-11
+    levels = torch.cat([torch.tensor([0.0, 1.0]), torch.rand(30)]) * 3  # float weights: 15 steps, as before
+    on_fifteen = quantize(levels.repeat(16, 1), INT4).dense(torch.float32)
+    assert (on_fifteen - levels).abs().max() <= 3 / 30 + 1e-3
+    assert (on_fifteen - levels).abs().max() > 3 / 15 / 8  # values between its 16 levels moved
