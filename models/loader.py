@@ -346,9 +346,10 @@ def default_gguf_path() -> Path:
 
 
 def local_model_dir(cfg: ModelConfig) -> Path | None:
-    """The transformers directory specd loads `cfg.model` from, when it is local:
-    the converted cache for a GGUF (built if missing), the directory itself, or
-    None for a Hub id. For tools that should load exactly what specd serves."""
+    """A transformers directory holding `cfg.model`'s weights, when it is local: the dense
+    float32 conversion of a GGUF (built if missing; specd itself serves a GGUF's quantized
+    layers from its packed cache, `prepare`), the directory itself, or None for a Hub id. For
+    tools that load the model with transformers or a peer engine."""
     gguf = _gguf_path(cfg.model, cfg.cache_dir or default_cache_dir())
     if gguf is not None:
         cache = GGUFCache(gguf, _gguf_cache_path(gguf, cfg.cache_dir or default_cache_dir()))
@@ -441,33 +442,34 @@ def _load_gguf(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if _is_complete(cache.path):
         try:
-            return _load_converted(cache.path, model_id, cfg, device, dtype)
-        except torch.OutOfMemoryError:
+            return _load_converted(cache, model_id, cfg, device, dtype)
+        except (torch.OutOfMemoryError, MemoryError):
             raise
         except Exception as exc:  # any failure reading our own cache: rebuild it
+            if "can't allocate memory" in str(exc):  # CPU allocation failure: the cache is fine
+                raise
             logger.warning("ignoring broken model cache %s (%s); converting again", cache.path, exc)
             shutil.rmtree(cache.path, ignore_errors=True)
     _build_atomically(cache.path, cache.build, source=cache.source)
-    return _load_converted(cache.path, model_id, cfg, device, dtype)
+    return _load_converted(cache, model_id, cfg, device, dtype)
 
 
 def _load_converted(
-    cache: Path, model_id: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+    cache: GGUFCache, model_id: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A converted GGUF: a transformers directory, with its quantized layers' codes beside it when
     packed. Each packed layer's dense weight is the values of its codes, as `weights.apply` sets it."""
-    packed = cache / _QUANTIZED_FILE
-    if not packed.is_file():
-        return _load_pretrained(str(cache), model_id, cfg, device, dtype)
-    layers = weights.load_layers(packed)
-    state = load_file(str(cache / "model.safetensors"))
+    if cache.weights is None:
+        return _load_pretrained(str(cache.path), model_id, cfg, device, dtype)
+    layers = weights.load_layers(cache.path / _QUANTIZED_FILE)  # missing: a broken cache, rebuilt
+    state = load_file(str(cache.path / "model.safetensors"))
     for name, layer in layers.items():
         state[f"{name}.weight"] = layer.dense(dtype)
-    config = AutoConfig.from_pretrained(cache)
-    tokenizer = AutoTokenizer.from_pretrained(cache)
+    config = AutoConfig.from_pretrained(cache.path)
+    tokenizer = AutoTokenizer.from_pretrained(cache.path)
     model_class = getattr(transformers, config.architectures[0])  # the cache names it (_save_converted)
     model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype, device_map=str(device))
-    model.generation_config = GenerationConfig.from_pretrained(cache)
+    model.generation_config = GenerationConfig.from_pretrained(cache.path)
     weights.attach(model, layers)
     return model, tokenizer
 
