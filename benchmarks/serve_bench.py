@@ -279,7 +279,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("target")
     g.add_argument("--base-url", help="benchmark this running specd (loopback only) instead of starting one")
     g.add_argument("--api-key", help="bearer key for --base-url")
-    g.add_argument("--ready-timeout", type=float, default=300, help="seconds to wait for /ready [300]")
+    g.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=900,
+        help="seconds to wait for /ready (a first start converts GGUFs) [900]",
+    )
     g = p.add_argument_group("server started by the benchmark (ignored with --base-url)")
     g.add_argument("--model", help="target model (default: specd's, the bundled SmolLM2-135M-Instruct)")
     g.add_argument(

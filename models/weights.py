@@ -6,10 +6,13 @@
   projection in int8 (logits are where 4-bit error shows first: llama.cpp's Q4_K_M keeps its
   output at 6 bits for the same reason), unless it is the input embedding too. The embedding is
   a gather of a few rows, nothing to gain: it stays dense.
-- `auto`: a GGUF's quantized linear layers stay quantized, each requantized in the nearest torch
+- `auto`: a GGUF's quantized linear layers stay quantized, each requantized in the nearest
   format by its bits (4-bit and smaller types: int4; 5- to 8-bit types: int8), and the rest stays
   dense: float tensors, the embedding, and an output projection that is the embedding (a tied
   model's); a float checkpoint (a Hub id or a directory) stays as it is.
+
+A GGUF's quantized layers are packed once into the loader's cache (`save_layers`, read back by
+`load_layers`); other checkpoints are quantized at each load (`apply`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ logger = logging.getLogger("specd.models")
 WEIGHTS = ("auto", "bf16", "int8", "int4")
 BF16 = "bf16"  # every weight dense, in the served dtype
 
-# GGUF tensor types by the torch format nearest their bits per weight.
+# GGUF tensor types by the format (`models.quantized`) nearest their bits per weight.
 _GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS",
               "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"}  # fmt: skip
 _GGUF_INT8 = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
@@ -54,7 +57,7 @@ Plan = dict[str, str]  # module name (or OUTPUT) -> INT8 | INT4; absent: dense
 
 
 def gguf_plan(path: Path) -> Plan:
-    """`auto` for a GGUF: each quantized tensor in the torch format nearest its type."""
+    """`auto` for a GGUF: each quantized tensor in the format nearest its type."""
     import gguf  # transformers' own GGUF reader dependency
 
     plan: Plan = {}
