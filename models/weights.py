@@ -11,6 +11,9 @@
   dense: float tensors, the embedding, and an output projection that is the embedding (a tied
   model's); a float checkpoint (a Hub id or a directory) stays as it is.
 
+A draft model has its own choice (`--draft-weights`, `draft_formats`): its weights only steer
+acceptance, so by default it is int4 throughout, output projection included.
+
 A GGUF's quantized layers are packed once into its converted cache (`models.gguf_cache`:
 `save_layers`, read back by `load_layers`); other checkpoints are quantized at each load (`apply`).
 """
@@ -73,14 +76,14 @@ def gguf_plan(path: Path) -> Plan:
     return plan
 
 
-def uniform_plan(model: Any, fmt: str) -> Plan:
-    """Every linear layer of the decoder in `fmt`, the output projection in int8 (dense where it is
-    the input embedding's weight too: quantizing it would change the embedding, and a draft head
-    made for the model checks that it has not changed)."""
-    output = model.get_output_embeddings()
-    plan: Plan = {name: fmt for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not output}
-    if output.weight is not model.get_input_embeddings().weight:
-        plan[OUTPUT] = INT8
+def uniform_plan(model: Any, fmt: str, output: str = INT8) -> Plan:
+    """Every linear layer of the decoder in `fmt`, the output projection in `output` (dense where
+    it is the input embedding's weight too: quantizing it would change the embedding, and a draft
+    head made for the model checks that it has not changed)."""
+    head = model.get_output_embeddings()
+    plan: Plan = {name: fmt for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    if head.weight is not model.get_input_embeddings().weight:
+        plan[OUTPUT] = output
     return plan
 
 
@@ -103,8 +106,9 @@ def quantizes(choice: str, from_gguf: bool, device: torch.device) -> bool:
     return True
 
 
-def plan_for(choice: str, model: Any, gguf_path: Path | None, device: torch.device) -> Plan:
-    """The plan `--weights choice` means for `model` (loaded from `gguf_path`, if from a GGUF)."""
+def plan_for(choice: str, model: Any, gguf_path: Path | None, device: torch.device, output: str | None = None) -> Plan:
+    """The plan `--weights choice` means for `model` (loaded from `gguf_path`, if from a GGUF);
+    `output`: the output projection's format where `choice` is int8/int4 (None: int8)."""
     if not quantizes(choice, gguf_path is not None, device):
         return {}
     if choice == "auto":
@@ -114,7 +118,22 @@ def plan_for(choice: str, model: Any, gguf_path: Path | None, device: torch.devi
         except (ValueError, OSError) as exc:  # transformers read it; gguf's own reader did not
             logger.warning("--weights auto: cannot read %s's tensor types (%s); serving dense weights", gguf_path, exc)
             return {}
-    return uniform_plan(model, choice)
+    return uniform_plan(model, choice, output or INT8)
+
+
+def draft_formats(choice: str, device: torch.device) -> tuple[str, str | None]:
+    """(weights, output) a draft model loads with for `--draft-weights choice`. A draft's weights
+    decide how many of its tokens the target accepts, never what is served, so `auto` reads the
+    fewest bytes: int4 throughout, output projection included, where the weight-only kernels run
+    (dense elsewhere, without a warning); int8 / int4 quantize its output projection alike."""
+    if choice == "auto":
+        choice = INT4 if device.type == "cpu" and kernels_available() else BF16
+    return choice, (choice if choice in (INT8, INT4) else None)
+
+
+def packing_name(choice: str, output: str | None) -> str:
+    """The name a packed cache is kept under for `choice` (and an output format other than int8)."""
+    return choice if output in (None, INT8) or choice not in (INT8, INT4) else f"{choice}-{output}-output"
 
 
 @torch.no_grad()

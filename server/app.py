@@ -105,6 +105,7 @@ def build_components(settings: Settings) -> Components:
         ProposerConfig(
             method=settings.resolved_draft,
             draft_model=settings.draft_model,
+            draft_weights=settings.draft_weights,
             draft_head=str(head) if (head := settings.resolved_draft_head) else None,
             suffix_cache_requests=settings.suffix_cache_requests if settings.suffix_global == "on" else 0,
             lookup=settings.draft_lookup == "on",

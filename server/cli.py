@@ -38,7 +38,7 @@ logger = logging.getLogger("specd.server")
 # Settings that `generate` shares with `serve`.
 GENERATE_SETTINGS = (
     "model", "draft", "draft_model", "draft_head", "num_speculative_tokens", "dtype", "device", "cache_dir",
-    "max_model_len", "revision", "trust_remote_code", "log_level", "weights",
+    "max_model_len", "revision", "trust_remote_code", "log_level", "weights", "draft_weights",
 )  # fmt: skip
 # Settings that `train-draft` shares with `serve`: which target, loaded how.
 TRAIN_DRAFT_SETTINGS = (

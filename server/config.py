@@ -222,6 +222,12 @@ class Settings(BaseSettings):
         None,
         description="A draft model sharing the target's tokenizer: a catalogue name, Hub id, directory or .gguf file.",
     )
+    draft_weights: Literal["auto", "bf16", "int8", "int4"] = Field(
+        "auto",
+        description="--draft-model's weight format (CPU). A draft's weights decide only how many of its tokens the "
+        "target accepts, never the served text, so auto reads the fewest bytes: int4 for every linear layer, output "
+        "projection included (dense where the weight-only kernels do not run); int8 / int4 likewise; bf16 dense.",
+    )
     draft_head: Path | None = Field(
         None,
         description="--draft eagle: directory of a draft head trained for this target (`specd train-draft`); "

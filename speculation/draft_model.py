@@ -15,6 +15,7 @@ import torch
 from models.forward import forward_step
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, StepLayout
 from models.loader import LoadedModel, check_draft_compatible, load_model
+from models.weights import draft_formats
 from scheduler.types import Request
 from speculation.device_draft import DeviceProposer
 from speculation.proposer import BuildContext
@@ -31,15 +32,18 @@ class DraftModelProposer(DeviceProposer):
 
     @classmethod
     def build(cls, context: BuildContext) -> DraftModelProposer:
-        """Load the draft model as the target was loaded (dtype, device, kernels, attention, weight
-        format: a quantized draft's step shrinks as the target's does)."""
+        """Load the draft model as the target was loaded (dtype, device, kernels, attention), in
+        its own weight format (`--draft-weights`)."""
         target = context.target
+        fmt, output = draft_formats(context.config.draft_weights, target.device)
         config = replace(
             context.loaded_as,
             model=str(context.config.draft_model),
             dtype=str(target.dtype).removeprefix("torch."),
             device=target.device.type,
             tune_kernels=target.kernels.is_tuned,
+            weights=fmt,
+            output_weights=output,
         )
         draft = load_model(config)
         check_draft_compatible(target, draft)
@@ -56,10 +60,10 @@ class DraftModelProposer(DeviceProposer):
         draft = self.draft
         self.cache = KVCache.for_model(draft.model.config, num_blocks, block_size, draft.dtype, draft.device)
 
-    def _catch_up(self, request: Request) -> tuple[int, list[int]]:
+    def _feed(self, request: Request) -> tuple[int, int, int]:
         # Every accepted token the draft has not seen yet, through the last one (not yet in anyone's KV).
         start = min(self._computed.get(request.request_id, 0), request.num_computed_tokens)
-        return start, request.token_slice(start, request.num_tokens)
+        return start, start, request.num_tokens
 
     def _fed_after(self, request: Request, start: int, feed: list[int], k: int) -> int:
         return start + len(feed) + k - 1  # the drafts fed back too; `verified` trims the rejected ones

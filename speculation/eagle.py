@@ -115,12 +115,12 @@ class EagleProposer(DeviceProposer):
         finally:
             self._g = None
 
-    def _catch_up(self, request: Request) -> tuple[int, list[int]]:
+    def _feed(self, request: Request) -> tuple[int, int, int]:
         # The last position, num_computed - 1, reads the token the target feeds this step. At least
         # one position is fed (a row re-run after a failed step has no new one; it is recomputed).
         computed = request.num_computed_tokens
         start = min(self._computed.get(request.request_id, 0), computed - 1)
-        return start, request.token_slice(start + 1, computed + 1)
+        return start, start + 1, computed + 1
 
     def _fed_after(self, request: Request, start: int, feed: list[int], k: int) -> int:
         return request.num_computed_tokens  # chained positions read predicted features: redone next step

@@ -269,7 +269,11 @@ class SpecPolicy:
                 waited[i] = state
         if not waited:
             return frozenset()
-        interval = self._probe_interval(requests, len(waited), prefill)
+        fed = len(waited)
+        if self.drafting.catch_up is not None:
+            behind = [requests[i] for i in waited]
+            fed = sum(self.drafting.catch_up(behind, [1] * len(behind)))
+        interval = self._probe_interval(requests, fed, prefill)
         due = {}
         for i, state in waited.items():
             state.plain_steps += 1
@@ -282,16 +286,21 @@ class SpecPolicy:
             waited[i].plain_steps = 0
         return rows
 
-    def _probe_interval(self, requests: list[Request], num_probes: int, prefill: StepShape) -> float:
+    def _probe_interval(self, requests: list[Request], num_fed: int, prefill: StepShape) -> float:
         """`probe_interval`, or more where a round of probes (the proposer's forward in a plain
-        step) would cost more than `probe_budget` of the plain steps it waits through."""
+        step, over `num_fed` tokens: each row's catch-up on what it emitted since its last draft)
+        would cost more than `probe_budget` of the plain steps it waits through. The catch-up
+        grows with the wait, so where feeding a row's tokens to the proposer alone costs more
+        than the budget (a draft model on a CPU: each token a row of its forward), the wait
+        outgrows every row and probes stop; rows then draft again only where their estimates
+        say a verify pays."""
         interval = float(self.config.probe_interval)
-        if not num_probes or not self.cost.is_fitted:
+        if not num_fed or not self.cost.is_fitted:
             return interval
         context = sum(r.num_computed_tokens + 1 for r in requests) + prefill.num_context
         plain = StepShape(len(requests) + prefill.num_tokens, context, num_logits=len(requests) + prefill.num_logits)
         seconds = self.cost.predict(plain)
-        premium = self.cost.predict(replace(plain, num_draft_forwards=1, num_draft_rows=num_probes)) - seconds
+        premium = self.cost.predict(replace(plain, num_draft_forwards=1, num_draft_rows=num_fed)) - seconds
         if seconds <= 0.0 or premium <= 0.0:
             return interval
         return max(interval, premium / (self.config.probe_budget * seconds))

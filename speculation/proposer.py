@@ -53,6 +53,7 @@ class Drafting:
     preview: Preview | None = None  # priced proposers: the drafts' token probabilities
     lookup: DraftLengths | None = None  # beside a device proposer: prompt-lookup drafts' lengths
     available: DraftLengths | None = None  # drafts made ahead (n-gram, Predicted Outputs): their lengths
+    catch_up: DraftLengths | None = None  # a device proposer: tokens its first forward would feed each row
     info: dict | None = None  # what the proposer shows of itself (an EAGLE head: path, vocabulary, record)
 
     @property
@@ -105,6 +106,10 @@ class Proposer:
 
     def run(self, plan: DraftPlan, arrays: DeviceArrays) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The drafts, on the device: token ids `[R, k_max]` and q `[R, k_max, V]` (None: all greedy)."""
+        raise NotImplementedError(f"{self.method} drafts on the host")
+
+    def feed_lengths(self, requests: list[Request], num_tokens: list[int]) -> list[int]:
+        """Tokens the first draft forward would feed each request now (its catch-up)."""
         raise NotImplementedError(f"{self.method} drafts on the host")
 
     def verified(self, request_id: str, num_valid: int) -> None:

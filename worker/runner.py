@@ -118,6 +118,7 @@ class ModelRunner:
             preview=self.preview_drafts if proposer.capabilities.priced else None,
             lookup=self.host.lookup_lengths if self.lookup is not None else None,
             available=self.host.lengths,
+            catch_up=proposer.feed_lengths if proposer.capabilities.on_device else None,
             info=proposer.info(),
         )
 
@@ -198,6 +199,7 @@ class ModelRunner:
                 accepted_per_position[j] += 1
         return StepOutput(
             rows=[outputs.get(row.request_id) or RowOutput(row.request_id) for row in plan.rows],
+            num_draft_rows=plan.draft.num_computed if plan.draft is not None else 0,
             phase_seconds=phases,
             accepted_per_position=accepted_per_position,
             grammar_mask_seconds=plan.grammar_mask_seconds,

@@ -12,7 +12,7 @@ from models.forward import lean_forward
 from models.linear_kernels import QUANTIZED, KernelTable, TunedLinear, linear_layers
 from models.loader import ModelConfig, default_gguf_path, load_model
 from models.quantized import INT4, INT8, Int4Weight, Int8Weight, footprint
-from models.weights import OUTPUT, WEIGHTS, gguf_plan, plan_for, uniform_plan
+from models.weights import OUTPUT, WEIGHTS, draft_formats, gguf_plan, packing_name, plan_for, uniform_plan
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
@@ -68,8 +68,29 @@ def test_the_plan_for_each_choice(tiny_llama_dir):
     plan = uniform_plan(model, INT4)
     assert plan[OUTPUT] == INT8 and sum(v == INT4 for v in plan.values()) == 7 * 4  # 7 linear layers x 4 layers
     assert plan_for("int4", model, None, cpu) == plan
+    assert plan_for("int4", model, None, cpu, output=INT4) == {**plan, OUTPUT: INT4}
     model.get_output_embeddings().weight = model.get_input_embeddings().weight  # tied: the output stays dense
     assert OUTPUT not in uniform_plan(model, INT4)
+
+
+def test_a_draft_model_reads_the_fewest_bytes_by_default():
+    cpu = torch.device("cpu")
+    assert draft_formats("auto", cpu) == (INT4, INT4)  # the output projection too
+    assert draft_formats("int8", cpu) == (INT8, INT8) and draft_formats("bf16", cpu) == ("bf16", None)
+    assert draft_formats("auto", torch.device("cuda")) == ("bf16", None)  # no weight-only kernels there
+    # a packed cache per output format; the target's own choices keep their names
+    assert packing_name("int4", None) == packing_name("int4", INT8) == "int4"
+    assert packing_name("int4", INT4) == "int4-int4-output" and packing_name("auto", None) == "auto"
+
+
+def test_a_draft_model_loads_in_its_own_format(tiny_llama_dir, tiny_draft_dir):
+    target = load(tiny_llama_dir, "auto", tune_kernels=False)  # a float checkpoint: dense
+    runner = build_runner(target, RunnerConfig(max_num_seqs=2, max_model_len=64), ProposerConfig("draft_model",
+                          str(tiny_draft_dir)))  # fmt: skip
+    draft = runner.proposer.draft.model
+    assert isinstance(draft.get_output_embeddings().quantized_weight, Int4Weight)
+    assert lean_forward(draft).layers[0].gate_up.quantized_weight.fmt == INT4
+    assert not any(getattr(m, "quantized_weight", None) for m in target.model.modules())
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -24,10 +24,12 @@ SAMPLING_EXTRAS = dict(
 
 def runner_for(model_dir, method, draft=None, max_num_seqs=4, draft_head=None, lookup=True):
     target = load_model(ModelConfig(str(model_dir), dtype="float32", device="cpu"))
+    # The target as its own draft keeps the target's weights (a draft is int4 by default).
+    draft_weights = "bf16" if draft == model_dir else "auto"
     runner = build_runner(
         target,
         RunnerConfig(max_num_seqs=max_num_seqs, max_model_len=256),
-        ProposerConfig(method, draft, draft_head=draft_head, lookup=lookup),
+        ProposerConfig(method, draft, draft_weights=draft_weights, draft_head=draft_head, lookup=lookup),
     )
     return target, runner
 

@@ -8,6 +8,7 @@ import pytest
 
 from scheduler.types import Request
 from speculation.config import SpecConfig
+from speculation.cost_model import StepCostModel, StepShape
 from speculation.policy import SpecPolicy
 from speculation.proposer import Drafting
 from tests.speculation.policy_support import linear, req, trained
@@ -119,3 +120,42 @@ def test_probes_stay_within_their_share_of_step_time():
     # Failing probes back off alike (doubling the wait) in both.
     assert len(costly_probes) < len(cheap_probes)
     assert len(costly_probes) * 0.02 / (300 * 0.0501) <= 0.01
+
+
+def test_a_probe_pays_for_the_rows_catch_up():
+    """A probe's forward feeds the proposer every token the row emitted since it last drafted.
+    That catch-up grows with the wait, so a proposer whose cost per fed token is over
+    `probe_budget` of a plain step (a draft model on a CPU) never probes a plain row: however
+    long the wait, a round costs more than 1% of the steps it waited through. Where a token
+    costs little (a head), probes come after `probe_interval` plain steps as before."""
+
+    def probes(per_token: float) -> list[int]:
+        behind = {"a": 0}
+
+        def catch_up(rows: list[Request], num_tokens: list[int]) -> list[int]:
+            return [behind[r.request_id] + 1 for r in rows]
+
+        policy = SpecPolicy(SpecConfig(num_speculative_tokens=4, probe_interval=8), Drafting("draft_model",
+                            catch_up=catch_up))  # fmt: skip
+        model = StepCostModel()
+        for _ in range(30):
+            for t in (1, 2, 4, 8, 16):
+                for d, rows in ((0, 0), (1, 1), (1, 4), (1, 16), (4, 4), (4, 32)):
+                    shape = StepShape(t, 0, d > 1, d, num_draft_rows=rows)
+                    model.observe(shape, 0.05 + 0.0001 * t + 0.0002 * d + per_token * rows)
+        policy.cost = model
+        row, steps = req("a"), []
+        for _ in range(60):
+            policy.observe(row, 4, 0)  # the draft model is never accepted: the row runs plain
+        for step in range(300):
+            ks, plan = policy.decide([row], [16], 256)
+            assert ks == [0]
+            behind["a"] += 1
+            if plan.probe_rows:
+                steps.append(step)
+                behind["a"] = 0
+                policy.observe_probe(row, 1, 2)
+        return steps
+
+    assert probes(0.00005)[0] == 7  # 0.1% of a step per token: the 8th plain step probes
+    assert probes(0.002) == []  # 4% of a step per token: the catch-up alone is over budget
