@@ -5,7 +5,7 @@ policy's draft tokens), then chunked prefill, then FIFO admission of waiting
 requests while fewer than `max_num_seqs` run, the step's token budget lasts
 and the KV pool has the blocks for the request's prompt.
 `update()` applies the runner's `StepOutput`: appends tokens, cuts at stop
-tokens and `max_tokens`, rolls rejected drafts back by setting
+tokens, `max_tokens` and the end of a grammar (`scheduler.stopping`), rolls rejected drafts back by setting
 `num_computed_tokens`, offers newly full blocks to the prefix cache, and
 releases finished requests' blocks.
 
@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler.kv_blocks import BlockPool, block_key, blocks_for
+from scheduler.stopping import append_tokens
 from scheduler.types import (
     Batch,
     FinishReason,
@@ -35,7 +36,6 @@ from scheduler.types import (
     ScheduledRow,
     StepOutput,
     StepPlan,
-    TokenConstraint,
 )
 from speculation import registry
 from speculation.config import SpecConfig
@@ -391,7 +391,11 @@ class Scheduler:
                     if self.last_plan is not None:
                         self.last_plan.probes_graded += 1
                         self.last_plan.probes_accepted += accepted
-            new_ids, stop_id = self._append(request, out.token_ids)
+            appended = append_tokens(request, out.token_ids)
+            if appended.finish is not None:
+                request.error = appended.error or request.error
+                self._finish(request, appended.finish)
+            new_ids, stop_id = appended.new_ids, appended.stop_id
             request.draft = out.next_draft
             if not request.is_finished:  # a finished request's blocks were offered on release
                 self._cache_blocks(request, row.start_pos)
@@ -433,37 +437,6 @@ class Scheduler:
             request.num_prediction_accepted += out.num_accepted_tokens
             request.num_prediction_rejected += out.num_draft_tokens - out.num_accepted_tokens
         self.policy.observe(request, out.num_draft_tokens, out.num_accepted_tokens, out.method)
-
-    def _append(self, request: Request, token_ids: list[int]) -> tuple[list[int], int | None]:
-        """Append tokens up to a stop token, max_tokens or the end of the request's grammar;
-        finish the request if one is hit."""
-        params, stops, constraint = request.params, request.stop_ids, request.constraint
-        new_ids: list[int] = []
-        for token_id in token_ids:
-            if token_id in stops:
-                self._finish(request, FinishReason.STOP)
-                return new_ids, token_id
-            request.output_ids.append(token_id)
-            new_ids.append(token_id)
-            if constraint is not None and not self._advance_grammar(request, constraint, token_id):
-                break
-            if len(request.output_ids) >= params.max_tokens:
-                self._finish(request, FinishReason.LENGTH)
-                break
-        return new_ids, None
-
-    def _advance_grammar(self, request: Request, constraint: TokenConstraint, token_id: int) -> bool:
-        """The grammar sees emitted tokens only; False when it ended the request. A complete
-        output ends it (end of sequence is all it could add); a token the grammar refuses (its
-        limits, or a masking fault) ends it with the grammar's reason."""
-        if not constraint.advance([token_id]):
-            request.error = f"the grammar could not go on: {constraint.error or 'it refused a token'}"
-            self._finish(request, FinishReason.ERROR)
-            return False
-        if constraint.is_done:
-            self._finish(request, FinishReason.STOP)
-            return False
-        return True
 
     def _apply_aborts(self) -> list[RequestOutput]:
         outputs = []
