@@ -323,7 +323,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--peer vllm: one n-gram speculating vLLM server per draft length, beside on and auto "
                         "(lookup windows 1-4, as specd's) [none]")  # fmt: skip
     g.add_argument(
-        "--peer-kv-gib", type=float, default=1, help="--peer vllm: VLLM_CPU_KVCACHE_SPACE per server (GiB) [1]"
+        "--peer-kv-gib", type=int, default=1, help="--peer vllm: VLLM_CPU_KVCACHE_SPACE per server (whole GiB) [1]"
     )
     g = p.add_argument_group("load")
     g.add_argument(
