@@ -11,6 +11,7 @@ beside the other tensors, about the file's bytes: 2.0 GB for Qwen2.5-Coder-1.5B 
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import logging
 import re
@@ -401,12 +402,22 @@ def _load_gguf(
         except (torch.OutOfMemoryError, MemoryError):
             raise
         except Exception as exc:  # any failure reading our own cache: rebuild it
-            if "can't allocate memory" in str(exc):  # CPU allocation failure: the cache is fine
+            if _out_of_memory(exc):  # the cache is fine: deleting it would cost a conversion and more memory
                 raise
             logger.warning("ignoring broken model cache %s (%s); converting again", cache.path, exc)
             shutil.rmtree(cache.path, ignore_errors=True)
     cache.ensure()
     return _load_converted(cache, model_id, cfg, device, dtype)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure, however the reader words it: torch's "can't allocate memory", an
+    mmap's or a read's ENOMEM (safetensors: "Cannot allocate memory (os error 12)")."""
+    text = str(exc).lower()
+    return getattr(exc, "errno", None) == errno.ENOMEM or any(s in text for s in _ALLOCATION_FAILURES)
+
+
+_ALLOCATION_FAILURES = ("can't allocate memory", "cannot allocate memory", "out of memory")
 
 
 def _load_converted(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import json
 import logging
 from pathlib import Path
@@ -233,6 +234,26 @@ def test_broken_gguf_cache_is_rebuilt(fake_gguf, damage):
     assert len(fake_gguf["calls"]) == 2
     assert _cache_entries(fake_gguf["models_dir"]) == [entry]
     assert torch.isfinite(_logits(loaded)).all()
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [OSError(errno.ENOMEM, "Cannot allocate memory"), RuntimeError("Error while deserializing: Cannot allocate memory "
+     "(os error 12)"), RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory")],
+)  # fmt: skip
+def test_an_allocation_failure_keeps_the_cache(fake_gguf, monkeypatch, failure):
+    """Out of memory while reading a good cache says so; it does not delete the cache and convert again."""
+    load_model(fake_gguf["cfg"])
+    [entry] = _cache_entries(fake_gguf["models_dir"])
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(loader, "_load_converted", fail)
+    with pytest.raises(type(failure)):
+        load_model(fake_gguf["cfg"])
+    assert len(fake_gguf["calls"]) == 1 and _cache_entries(fake_gguf["models_dir"]) == [entry]
+    assert (entry / "specd-cache.json").is_file()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
