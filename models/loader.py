@@ -399,8 +399,6 @@ def _load_gguf(
     if cache.complete:
         try:
             return _load_converted(cache, model_id, cfg, device, dtype)
-        except (torch.OutOfMemoryError, MemoryError):
-            raise
         except Exception as exc:  # any failure reading our own cache: rebuild it
             if _out_of_memory(exc):  # the cache is fine: deleting it would cost a conversion and more memory
                 raise
@@ -410,14 +408,15 @@ def _load_gguf(
     return _load_converted(cache, model_id, cfg, device, dtype)
 
 
+_ALLOCATION_FAILURES = ("can't allocate memory", "cannot allocate memory", "out of memory")
+
+
 def _out_of_memory(exc: BaseException) -> bool:
     """An allocation failure, however the reader words it: torch's "can't allocate memory", an
     mmap's or a read's ENOMEM (safetensors: "Cannot allocate memory (os error 12)")."""
-    text = str(exc).lower()
-    return getattr(exc, "errno", None) == errno.ENOMEM or any(s in text for s in _ALLOCATION_FAILURES)
-
-
-_ALLOCATION_FAILURES = ("can't allocate memory", "cannot allocate memory", "out of memory")
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or getattr(exc, "errno", None) == errno.ENOMEM:
+        return True
+    return any(s in str(exc).lower() for s in _ALLOCATION_FAILURES)
 
 
 def _load_converted(
