@@ -11,18 +11,17 @@ from __future__ import annotations
 import ipaddress
 import os
 from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import ByteSize, Field, SecretStr, TypeAdapter, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from models.heads import BUNDLED_HEAD_DIR
 from scheduler.types import MAX_SPEC_TOKENS
+from server.config_file import ConfigFileSource, file_values, read_config_file
 from server.zmq_curve import CurveKeys, is_local_endpoint
 from speculation import registry
 
@@ -35,9 +34,6 @@ DEFAULT_KV_SEQUENCES = 16
 
 CommaList = Annotated[list[str], NoDecode]
 _BYTES = TypeAdapter(ByteSize)
-
-# Values read from the YAML file for the `Settings` being built (see `load_settings`).
-_file_values: ContextVar[dict[str, Any] | None] = ContextVar("specd_file_values", default=None)
 
 
 # Proposer options with a default for the bundled model: its trained EAGLE head.
@@ -458,39 +454,14 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _ConfigFileSource(settings_cls)
-
-
-class _ConfigFileSource(PydanticBaseSettingsSource):
-    """The YAML config file's values, below the environment in priority."""
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return (_file_values.get() or {}).get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(_file_values.get() or {})
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as exc:
-        raise ValueError(f"cannot read config file {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ValueError(f"config file {path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping of setting names to values")
-    return {str(key).replace("-", "_"): value for key, value in data.items()}
+        return init_settings, env_settings, ConfigFileSource(settings_cls)
 
 
 def load_settings(overrides: dict[str, Any] | None = None, config_file: str | Path | None = None) -> Settings:
     """Settings from `overrides` (the command line), then the environment, then the config file."""
     path = config_file or os.environ.get(CONFIG_ENV)
-    token = _file_values.set(read_config_file(path) if path else {})
-    try:
+    with file_values(read_config_file(path) if path else {}):
         return Settings(**(overrides or {}))
-    finally:
-        _file_values.reset(token)
 
 
 def is_loopback(host: str) -> bool:
