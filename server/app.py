@@ -198,7 +198,7 @@ class AppState:
         self.metrics.set_cache_config(cfg.block_size, cfg.num_kv_blocks or 0)
         loaded = components.loaded
         fingerprint = f"{VERSION}:{loaded.model_id}:{loaded.dtype}:{engine.scheduler.drafting.method}"
-        self.serving = ServingContext(
+        serving = ServingContext(
             engine=engine,
             tokenizer=loaded.tokenizer,
             model_id=loaded.model_id,
@@ -217,6 +217,8 @@ class AppState:
             on_grammar_compiled=self.metrics.observe_grammar_compile,
             max_prep_queue=settings.max_prep_queue,
         )
+        await asyncio.to_thread(serving.grammars.prepare)  # before any request can be served
+        self.serving = serving
         logger.info(
             "ready: serving %s as %s (max_model_len=%d, max_num_seqs=%d)",
             loaded.model_id,

@@ -149,8 +149,10 @@ def from_structured_outputs(fields: dict[str, Any] | None) -> GrammarSource | No
 class GrammarCompiler:
     """Grammars for one served tokenizer: compiled once per content, started once per choice.
 
-    Runs on the preparation thread (the llguidance tokenizer takes up to ~1.5 s to build, the
-    first time; a grammar well under a millisecond)."""
+    Runs on the preparation thread; a grammar compiles in well under a millisecond. The llguidance
+    tokenizer takes 0.4-1.5 s to build, holding the GIL, so the server builds it before it is ready
+    (`prepare`): built by the first structured request, it stalled every tenant's streams and
+    `/health` for that long."""
 
     def __init__(
         self,
@@ -175,6 +177,14 @@ class GrammarCompiler:
                 self._tokenizer = GrammarTokenizer(self._hf_tokenizer, self._eos_ids, self._vocab_size)
                 logger.info("grammar tokenizer ready in %.2f s", time.perf_counter() - start)
             return self._tokenizer
+
+    def prepare(self) -> None:
+        """Build the llguidance tokenizer now. A tokenizer llguidance cannot read is logged, not
+        fatal: plain requests are served, and structured ones get the error."""
+        try:
+            _ = self.tokenizer
+        except Exception as exc:  # noqa: BLE001 - structured outputs only; the server still serves
+            logger.warning("structured outputs are unavailable: the grammar tokenizer cannot be built: %s", exc)
 
     def special_token(self, text: str) -> bool:
         """`text` is one added token of the vocabulary (a grammar names it as `<text>`, not as text)."""

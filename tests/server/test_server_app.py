@@ -109,6 +109,18 @@ async def test_an_engine_that_dies_fails_its_requests_reports_dead_and_asks_to_e
         await state.stop_engine()
 
 
+async def test_the_grammar_tokenizer_is_built_before_the_server_is_ready(tiny_llama_dir):
+    """Built by the first structured request instead, it held the GIL for 0.4-1.5 s: every
+    tenant's streams and /health stalled (found by the hostile-client test)."""
+    app = create_app(Settings(model=str(tiny_llama_dir), dtype="float32"))
+    state = app.state.specd
+    await state.start_engine()
+    try:
+        assert state.serving is not None and state.serving.grammars._tokenizer is not None
+    finally:
+        await state.stop_engine()
+
+
 def compact(body: dict) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 

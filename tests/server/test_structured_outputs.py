@@ -93,3 +93,20 @@ def test_compiled_grammars_are_cached_by_content_and_refusals_name_the_field():
     with pytest.raises(BadRequestError) as refused:
         compiler.compile(GrammarSource("json", json.dumps({"format": "weird"}), "response_format.json_schema.schema"))
     assert refused.value.param == "response_format.json_schema.schema"
+
+
+def test_prepare_builds_the_grammar_tokenizer_once_and_a_failure_is_logged_not_raised(caplog):
+    tokenizer = build_tokenizer()
+    compiler = GrammarCompiler(tokenizer, [tokenizer.eos_token_id], len(tokenizer))
+    compiler.prepare()
+    built = compiler.tokenizer
+    compiler.compile(GrammarSource("regex", "[ab]{3}", "structured_outputs.regex"))
+    assert compiler.tokenizer is built
+
+    class Unreadable:
+        def __len__(self) -> int:
+            raise RuntimeError("no vocabulary here")
+
+    broken = GrammarCompiler(Unreadable(), [], 16)
+    broken.prepare()
+    assert "structured outputs are unavailable" in caplog.text
