@@ -90,7 +90,7 @@ def request_body(
             "type": "json_schema",
             "json_schema": {"name": task.id, "schema": task.schema, "strict": True},
         }
-    if variant.endswith("-off") and not peer:
+    if variant in ("free-off", "free-same", "json-off") and not peer:
         body["speculation"] = False
     return body
 
