@@ -4,6 +4,7 @@ directory, registered as `torch.ops.specd.*`:
 
 - `paged_attention.cpp`: decode attention that reads the KV pool in place (`models.paged_attention`);
 - `layer_ops.cpp`: a decoder layer's small operations fused (`models.layer_ops`);
+- `token_mask.cpp`: grammar bitmasks applied to logits in place (`models.grammar`);
 - `quant_linear.cpp`: int4 and int8 weight-only linear layers (`models.quantized`), on x86 with
   AVX2 (elsewhere they are not registered, and quantized layers run their dense values).
 
@@ -28,10 +29,11 @@ import torch
 logger = logging.getLogger("specd.models")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "quant_linear.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "token_mask.cpp", CSRC / "quant_linear.cpp"]
 HEADERS = [CSRC / "simd.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own libgomp
-OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_mul", "rotary_kv")  # the int4/int8 ops: x86 only
+# Registered wherever the library builds (the int4/int8 ops: on x86 only, so not listed).
+OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_mul", "rotary_kv", "apply_token_bitmask")
 
 STALE_LOCK_S = 600  # a first build takes ~15 s on 2 cores
 

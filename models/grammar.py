@@ -23,6 +23,8 @@ import llguidance
 import llguidance.hf
 import torch
 
+from models import cpu_kernels
+
 # A grammar's work per token is bounded by llguidance's fuel: past it the matcher errors
 # (the request ends) instead of stalling the step. Its defaults, made explicit, except the
 # grammar size, bounded here to what a 64 KiB schema needs.
@@ -152,6 +154,11 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set the disallowed logits of `logits[rows]` `[n, V]` to -inf, in place, from their bitmasks
-    `[n, words]` (int32 values, any integer dtype)."""
+    `[n, words]` (int32 values, any integer dtype). On CPU the kernel (`csrc/token_mask.cpp`)
+    makes one pass per row; torch's expression widens the mask to a bool per token and costs
+    ~0.3 ms a row on a 49k vocabulary (5 ms of a 16-row step)."""
+    if logits.device.type == "cpu" and cpu_kernels.available() and logits.stride(-1) == 1:
+        torch.ops.specd.apply_token_bitmask(logits, rows.long(), bitmask.to(torch.int32).contiguous())
+        return
     allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[-1])
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
