@@ -6,7 +6,7 @@
 The prompts (`prompt_sets/structured.jsonl`, or `--prompts FILE`: one
 `{"id", "kind", "prompt", "schema"}` a line) come in two kinds, each with its JSON schema:
 `extraction` (the values are in the prompt: copying pays) and `generation` (they are not: only
-what the grammar forces can be drafted for free). Three variants run the same prompts, interleaved
+what the grammar forces can be drafted for free). Four variants run the same prompts, interleaved
 load by load in rotating order:
 
 - `free-off`: no `response_format`, speculation off, each reply as long as the model makes it;
@@ -242,7 +242,9 @@ async def benchmark(base_url: str, args: argparse.Namespace) -> list[dict]:
         lengths = {}
         for task in tasks:
             (_, reply), *_ = await drive(specd, model, [task], "json-off", 1, 1, args.max_tokens)
-            lengths[task.id] = max(reply.num_output_tokens, 1)
+            if not reply.ok or reply.num_output_tokens < 1:
+                raise RuntimeError(f"task {task.id}: the structured reply failed ({reply.error}); no length to match")
+            lengths[task.id] = reply.num_output_tokens
         for variant, target in targets.items():  # warm-up: one request each
             await drive(target.client, target.model, tasks[:1], variant, 1, 1, args.max_tokens, target.peer, lengths)
         for load in args.concurrency:

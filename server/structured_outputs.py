@@ -165,6 +165,7 @@ class GrammarCompiler:
         self._eos_ids = eos_ids
         self._vocab_size = vocab_size
         self._tokenizer: GrammarTokenizer | None = None
+        self._unavailable: str | None = None  # why the tokenizer could not be built (never retried)
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSource, Grammar] = OrderedDict()
         self._on_compiled = on_compiled
@@ -172,6 +173,11 @@ class GrammarCompiler:
     @property
     def tokenizer(self) -> GrammarTokenizer:
         with self._lock:
+            if self._unavailable is not None:
+                raise BadRequestError(
+                    f"structured outputs are unavailable on this server: {self._unavailable}",
+                    code="structured_outputs_unavailable",
+                )
             if self._tokenizer is None:
                 start = time.perf_counter()
                 self._tokenizer = GrammarTokenizer(self._hf_tokenizer, self._eos_ids, self._vocab_size)
@@ -179,11 +185,16 @@ class GrammarCompiler:
             return self._tokenizer
 
     def prepare(self) -> None:
-        """Build the llguidance tokenizer now. A tokenizer llguidance cannot read is logged, not
-        fatal: plain requests are served, and structured ones get the error."""
+        """Build the llguidance tokenizer now. A tokenizer llguidance cannot read (an exception, or
+        a Rust panic, which Python sees as a BaseException) is logged, not fatal, and not retried:
+        plain requests are served, structured ones get the reason at once."""
         try:
             _ = self.tokenizer
-        except Exception as exc:  # noqa: BLE001 - structured outputs only; the server still serves
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - structured outputs only; the server still serves
+            with self._lock:
+                self._unavailable = _first_line(exc)
             logger.warning("structured outputs are unavailable: the grammar tokenizer cannot be built: %s", exc)
 
     def special_token(self, text: str) -> bool:

@@ -5,7 +5,8 @@
 // In torch the mask is widened to a bool per token and the rows are gathered, filled and
 // scattered back: ~0.3 ms a row on a 49k vocabulary on 2 cores, which put 5 ms on a 16-row
 // structured step and 25 ms on one that verifies 80 rows. Here a row is one pass over its words:
-// a word of all ones (every token allowed) is skipped, one of zeros is 32 stores.
+// a word of all ones (every token allowed) is skipped, one of zeros is 32 stores. A row index given
+// twice gets both masks' refusals (the engine gives each row one mask).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -41,10 +42,12 @@ void mask_row(scalar_t* logits, const int32_t* words, int64_t num_words, int64_t
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Tensor& bitmask) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1,
               "apply_token_bitmask: CPU logits [N, V] with contiguous rows");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "apply_token_bitmask: rows [n] int64");
-  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous() &&
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1,
+              "apply_token_bitmask: rows [n] int64, on the CPU");
+  TORCH_CHECK(bitmask.device().is_cpu() && bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 &&
+                  bitmask.is_contiguous() &&
                   bitmask.size(0) == rows.size(0),
-              "apply_token_bitmask: bitmask [n, words] int32, a row per index");
+              "apply_token_bitmask: bitmask [n, words] int32 on the CPU, a row per index");
   const at::Tensor index = rows.contiguous();
   const int64_t n = index.size(0), num_words = bitmask.size(1), vocab = logits.size(1), stride = logits.stride(0);
   const int64_t* row = index.data_ptr<int64_t>();

@@ -56,20 +56,22 @@ def test_masks_follow_the_draft_and_apply_to_packed_rows(tokenizer, grammar_toke
     assert not torch.isfinite(logits[3, len(tokenizer) :]).any()  # past the tokenizer's ids: never
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [128, 100, 200])  # whole words, a part of the last one, wider than the mask
 def test_the_mask_kernel_sets_what_torchs_expression_sets(built_kernels, monkeypatch, dtype, vocab):
     generator = torch.Generator().manual_seed(vocab)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 4), generator=generator, dtype=torch.int64).to(torch.int32)
     bitmask[0, 1], bitmask[1, 2] = -1, 0  # a word of allowed tokens only, one of refused tokens only
-    logits = torch.randn(5, vocab, generator=generator).to(dtype)
+    wide = torch.randn(5, vocab + 7, generator=generator).to(dtype)
     rows = torch.tensor([4, 0, 2])
     assert cpu_kernels.available()
-    fast = logits.clone()
+    fast_wide = wide.clone()
+    fast = fast_wide[:, :vocab]  # rows apart in memory: the kernel must stay inside each row's view
     apply_masks(fast, rows, bitmask)
+    assert torch.equal(fast_wide[:, vocab:], wide[:, vocab:])
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    slow = logits.clone()
+    slow = wide[:, :vocab].clone()
     apply_masks(slow, rows, bitmask)
-    assert torch.equal(fast, slow) and torch.equal(fast[[1, 3]], logits[[1, 3]])  # rows without a mask: as they were
+    assert torch.equal(fast, slow) and torch.equal(fast[[1, 3]], wide[[1, 3], :vocab])  # unmasked rows kept
     refused = [t for t in range(vocab) if t >= 128 or not (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
     assert torch.isinf(fast[4]).nonzero().flatten().tolist() == refused

@@ -28,9 +28,11 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import queue
 import statistics
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,36 +134,74 @@ class Hostility:
     context = multiprocessing.get_context("spawn")  # no forked copy of this process's threads
     attacking: Any = field(default_factory=context.Event)
     stop: Any = field(default_factory=context.Event)
-    ready: Any = field(default_factory=context.Event)  # the battery is encoded
     results: Any = field(default_factory=context.Queue)
     passes: Any = field(default_factory=lambda: Hostility.context.Value("i", 0))  # whole battery passes
     processes: list[Any] = field(default_factory=list)
 
     def start(self) -> None:
+        """Both processes, once each is ready (the battery encoded; the prober's first probe sent)."""
         events = (self.attacking, self.stop, self.results)
+        ready = [self.context.Event(), self.context.Event()]
         self.processes = [
-            self.context.Process(target=attack, args=(self.url, self.honest_headers, self.ready, self.passes, *events)),
-            self.context.Process(target=probe, args=(self.url, *events)),
-        ]
+            self.context.Process(target=attack, args=(self.url, self.honest_headers, ready[0], self.passes, *events),
+                                 daemon=True),
+            self.context.Process(target=probe, args=(self.url, ready[1], *events), daemon=True),
+        ]  # fmt: skip
         for process in self.processes:
             process.start()
-        assert self.ready.wait(120), "the hostile client did not start"
+        started = time.monotonic()
+        for event, process in zip(ready, self.processes):
+            while not event.wait(0.5):
+                assert process.is_alive() and time.monotonic() < started + 120, f"{process.name} did not start"
+
+    def alive(self) -> bool:
+        return all(process.is_alive() for process in self.processes)
 
     def finish(self) -> tuple[dict, dict]:
-        """Stop both; (the hostile client's results, the prober's)."""
+        """Stop both; (the hostile client's results, the prober's). A process that failed sends
+        its traceback instead, which fails the test with it."""
         self.stop.set()
-        found = dict(self.results.get(timeout=120) for _ in self.processes)
+        found: dict[str, Any] = {}
+        deadline = time.monotonic() + 120
+        while len(found) < len(self.processes) and time.monotonic() < deadline:
+            try:
+                name, value = self.results.get(timeout=1)
+            except queue.Empty:
+                if not any(p.is_alive() for p in self.processes) and self.results.empty():
+                    break
+                continue
+            found[name] = value
         for process in self.processes:
-            process.join(60)
+            process.join(10)
+            if process.is_alive():
+                process.terminate()
+        for name, value in found.items():
+            assert not isinstance(value, str), f"the {name} process failed:\n{value}"
+        assert set(found) == {"attack", "probe"}, f"results from {sorted(found)} only"
         return found["attack"], found["probe"]
 
 
+def reporting(name: str, results, body) -> None:
+    """`body()`'s result to `results` under `name`, or its traceback where it raised."""
+    try:
+        value = body()
+    except BaseException:
+        results.put((name, traceback.format_exc()))
+        raise
+    results.put((name, value))
+
+
 def attack(url: str, honest_headers: dict, ready, passes, attacking, stop, results) -> None:
+    reporting("attack", results, lambda: _attack(url, honest_headers, ready, passes, attacking, stop))
+
+
+def _attack(url: str, honest_headers: dict, ready, passes, attacking, stop) -> dict:
     """The battery, one request at a time, and one preparation flood per attacked round."""
     bad = [c for c in CASES if c.status >= 400]
     requests = [(case, *encoded(case)) for case in bad]
     errors: list[tuple[str, int, float, dict]] = []  # (case, status, seconds, body)
     floods: list[Flood] = []
+    flood_errors: list[str] = []
 
     def flooder() -> None:
         flooded = False
@@ -169,7 +209,10 @@ def attack(url: str, honest_headers: dict, ready, passes, attacking, stop, resul
             if not attacking.is_set():
                 flooded = False
             elif not flooded:
-                floods.append(asyncio.run(flood(url, honest_headers)))
+                try:
+                    floods.append(asyncio.run(flood(url, honest_headers)))
+                except Exception:  # noqa: BLE001 - reported with the results: the test fails on it
+                    flood_errors.append(traceback.format_exc())
                 flooded = True
 
     thread = threading.Thread(target=flooder)
@@ -190,20 +233,29 @@ def attack(url: str, honest_headers: dict, ready, passes, attacking, stop, resul
             else:
                 passes.value += 1
     thread.join(60)
-    results.put(("attack", {"errors": errors, "floods": floods, "kinds": len(bad)}))
+    return {"errors": errors, "floods": floods, "flood_errors": flood_errors, "kinds": len(bad)}
 
 
-def probe(url: str, attacking, stop, results) -> None:
-    """GET /health every 20 ms: each probe's seconds, by phase (attacked or quiet)."""
+def probe(url: str, ready, attacking, stop, results) -> None:
+    reporting("probe", results, lambda: _probe(url, ready, attacking, stop))
+
+
+def _probe(url: str, ready, attacking, stop) -> dict[bool, list[float]]:
+    """GET /health every 20 ms: each probe's seconds, by phase (attacked or quiet); a probe that
+    fails (an error status, no answer in 30 s) counts as infinitely slow."""
     health: dict[bool, list[float]] = {False: [], True: []}
     with httpx.Client(base_url=url, timeout=30, trust_env=False) as http:
         while not stop.is_set():
             phase = attacking.is_set()
             start = time.perf_counter()
-            status = http.get("/health").status_code
-            health[phase and attacking.is_set()].append(time.perf_counter() - start if status == 200 else float("inf"))
+            try:
+                ok = http.get("/health").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            health[phase and attacking.is_set()].append(time.perf_counter() - start if ok else float("inf"))
+            ready.set()
             time.sleep(0.02)
-    results.put(("probe", health))
+    return health
 
 
 @dataclass
@@ -253,14 +305,16 @@ async def test_hostile_clients_get_clean_errors_while_honest_streams_keep_pace(h
     assert render.status_code == 200 and len(render.json()) == 1  # the flood's renders succeed when served
     (alone, _) = await honest_round(hostile_server)  # also the warm-up
     hostility = Hostility(hostile_server.url, hostile_server.headers)
-    hostility.start()
     # Quiet and attacked rounds alternate, quiet first and last (Q A Q A ... Q): each attacked
     # round is set against the mean of the quiet rounds on either side of it, so the machine's
     # own drift (±12% between quiet rounds on a shared 2-core machine) cancels within a pair.
     rounds: list[tuple[bool, float]] = []  # (attacked, the round's median TPOT)
     try:
+        hostility.start()
         under_attack = False
         while True:
+            assert hostility.alive(), "a hostile-client process exited"
+            assert len(rounds) <= 4 * HONEST_ROUNDS, "the battery never finished a pass"
             if under_attack:
                 hostility.attacking.set()
             texts, seconds = await honest_round(hostile_server)
@@ -316,7 +370,8 @@ async def test_hostile_clients_get_clean_errors_while_honest_streams_keep_pace(h
         f"{sum(f.statuses.count(200) for f in floods)} / {shed} ({len(floods)} floods of {FLOOD_REQUESTS}); "
         f"honest render in the flood: slowest {max(f.honest_seconds for f in floods) * 1000:.0f} ms"
     )
-    assert floods
+    assert not attacker["flood_errors"], attacker["flood_errors"][0]
+    assert len(floods) >= HONEST_ROUNDS  # one an attacked round
     for f in floods:
         assert set(f.statuses) <= {200, 503} and not f.bad_sheds, (f.statuses, f.bad_sheds)
         assert f.honest_status == 200 and f.honest_seconds < MAX_ERROR_SECONDS, f

@@ -103,10 +103,18 @@ def test_prepare_builds_the_grammar_tokenizer_once_and_a_failure_is_logged_not_r
     compiler.compile(GrammarSource("regex", "[ab]{3}", "structured_outputs.regex"))
     assert compiler.tokenizer is built
 
+    tries: list[int] = []
+
     class Unreadable:
         def __len__(self) -> int:
+            tries.append(1)
             raise RuntimeError("no vocabulary here")
 
     broken = GrammarCompiler(Unreadable(), [], 16)
     broken.prepare()
-    assert "structured outputs are unavailable" in caplog.text
+    assert "structured outputs are unavailable" in caplog.text and tries
+    built = len(tries)
+    with pytest.raises(BadRequestError) as refused:  # at once: the build is not tried again
+        broken.compile(GrammarSource("regex", "[ab]{3}", "structured_outputs.regex"))
+    assert refused.value.code == "structured_outputs_unavailable" and "no vocabulary here" in refused.value.message
+    assert len(tries) == built
