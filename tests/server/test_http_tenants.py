@@ -57,12 +57,17 @@ def complete(server, tenant: str, prompt: str, **fields) -> tuple[str, int, int]
 
 @pytest.mark.parametrize("fields", [{}, {"user": "alpha"}, {"cache_salt": "shared"}], ids=["plain", "user", "salt"])
 def test_another_key_cannot_raise_cached_tokens_or_acceptance(two_tenants, fields):
-    prompt = f"Ticket {uuid.uuid4().hex}: " + "the quick brown fox jumps over the lazy dog and then " * 6
-    cold_text, cold_cached, cold_accepted = complete(two_tenants, "alpha", prompt, **fields)
-    warm_text, warm_cached, warm_accepted = complete(two_tenants, "alpha", prompt, **fields)
-    # Within one tenant both caches pay: the test can see a leak.
-    assert cold_cached == 0 and warm_cached > 0
-    assert warm_text == cold_text and warm_accepted > cold_accepted
+    # Within one tenant both caches pay: the test can see a leak. Where the tiny model's reply to a
+    # prompt repeats itself from its first tokens, a cold request already accepts every draft it
+    # can (24 of 32 tokens at K = 4) and the cache cannot show: another prompt is tried.
+    for _ in range(5):
+        prompt = f"Ticket {uuid.uuid4().hex}: " + "the quick brown fox jumps over the lazy dog and then " * 6
+        cold_text, cold_cached, cold_accepted = complete(two_tenants, "alpha", prompt, **fields)
+        warm_text, warm_cached, warm_accepted = complete(two_tenants, "alpha", prompt, **fields)
+        assert cold_cached == 0 and warm_cached > 0 and warm_text == cold_text
+        if warm_accepted > cold_accepted:
+            break
+    assert warm_accepted > cold_accepted, "no prompt left the suffix cache room to raise acceptance"
     # Another key with the very same body (naming alpha as its user, or alpha's salt): exactly
     # what a cold first request gets.
     assert complete(two_tenants, "beta", prompt, **fields) == (cold_text, 0, cold_accepted)
