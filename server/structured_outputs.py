@@ -231,5 +231,5 @@ class GrammarCompiler:
             raise BadRequestError(f"the grammar cannot be used: {_first_line(exc)}", param=source.param) from None
 
 
-def _first_line(exc: Exception) -> str:
+def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or ["invalid"])[0][:500]
