@@ -54,6 +54,7 @@ from tests.support.server import finish_server, serve_args, start_server
 
 VARIANTS = ("free-off", "free-same", "json-off", "json-auto")
 FREE = ("free-off", "free-same")  # the variants without a schema
+SPECULATION_OFF = ("free-off", "free-same", "json-off")  # the baselines: specd told not to speculate
 PROMPTS = PROMPT_SET_DIR / "structured.jsonl"
 
 
@@ -90,7 +91,7 @@ def request_body(
             "type": "json_schema",
             "json_schema": {"name": task.id, "schema": task.schema, "strict": True},
         }
-    if variant in ("free-off", "free-same", "json-off") and not peer:
+    if variant in SPECULATION_OFF and not peer:
         body["speculation"] = False
     return body
 
@@ -151,14 +152,15 @@ def summarize(variant: str, kind: str, load: int, sent: list[tuple[Task, Request
     ]
     stopped = [(t, r) for t, r in done if r.finish_reason == "stop"]
     structured = variant not in FREE  # as `request_body` decides
+    num_output_tokens = sum(r.num_output_tokens for _, r in sent)
     return {
         "variant": variant,
         "kind": kind,
         "load": load,
         "num_requests": len(sent),
         "num_completed": len(done),
-        "num_output_tokens": sum(r.num_output_tokens for _, r in sent),
-        "output_throughput": sum(r.num_output_tokens for _, r in sent) / seconds,
+        "num_output_tokens": num_output_tokens,
+        "output_throughput": num_output_tokens / seconds,
         "tpot_ms": percentiles(tpot),
         "ttft_ms": percentiles([r.chunk_times[0] - r.start for _, r in done if r.chunk_times]),
         "num_stopped": len(stopped),

@@ -43,7 +43,7 @@ def test_every_variant_and_kind_runs_and_stopped_replies_validate(tmp_path, tiny
     assert seen == {(k, c, v) for k in ("extraction", "generation") for c in (1, 2) for v in variants}
     for run in runs:
         assert run["num_completed"] == run["num_requests"] == 2 and not run["errors"], run
-        if run["variant"] in ("free-off", "free-same", "json-off"):
+        if run["variant"] in structured_bench.SPECULATION_OFF:
             assert run["drafted_tokens"] == 0, run  # speculation off: the baselines
         if run["variant"] in structured_bench.FREE:
             assert run["num_valid"] is None
