@@ -26,7 +26,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -174,6 +174,20 @@ UNTUNED = ModelKernels()
 INVARIANT_TABLE = KernelTable(tuple(CHUNKED for _ in RUNGS), tuple(1.0 for _ in RUNGS), beyond=CHUNKED)
 WEIGHT_ONLY_TABLE = KernelTable(tuple(QUANTIZED for _ in RUNGS), tuple(1.0 for _ in RUNGS), beyond=QUANTIZED)
 INVARIANT = ModelKernels(layers=INVARIANT_TABLE, output=INVARIANT_TABLE, untimed_quantized=WEIGHT_ONLY_TABLE)
+
+
+def weight_only_quantized(kernels: ModelKernels) -> ModelKernels:
+    """`kernels` with every quantized decoder layer on its weight-only kernel at every size (the
+    dense layers' and the output projection's tables kept). The kernel computes each row alone, so
+    a row's bits no longer depend on its step's size: a prefill chunk, a cached prefix's tail, a
+    decode and a verify give a token the same products (`models.loader`: float32's default)."""
+    return replace(
+        kernels,
+        quantized=tuple((fmt, WEIGHT_ONLY_TABLE) for fmt, _ in kernels.quantized),
+        untimed_quantized=WEIGHT_ONLY_TABLE,
+    )
+
+
 # x @ W^T for every product, quantized ones too (a benchmark's baseline).
 STANDARD_ONLY = ModelKernels(untimed_quantized=STANDARD)
 

@@ -3,12 +3,15 @@ distribution), every proposer, mixed batches, and the plain path when off."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 
+from models.linear_kernels import QUANTIZED
 from models.loader import ModelConfig, load_model
-from scheduler.offline import run_offline
+from scheduler.engine import AsyncEngine
+from scheduler.offline import collect, run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
 from speculation.config import ProposerConfig, SpecConfig
@@ -310,3 +313,65 @@ def test_sampled_distribution_with_speculation_matches_without(tiny_llama_dir, t
         assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     # Fixed seeds: deterministic; a biased sampler gives p ~ 0.
     assert same_token_distribution_p_value(plain, spec) > 1e-3
+
+
+async def _one_after_another(runner, config, batches: list[list[Request]]) -> list[list[list[int]]]:
+    """Each batch through one engine after the last, so a later one finds its prompts cached."""
+    engine = AsyncEngine(runner, config, inline=True)
+    await engine.start()
+    try:
+        return [[(await collect(engine, r)).token_ids for r in batch] for batch in batches]
+    finally:
+        await engine.stop(timeout=0)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_seeded_text_with_quantized_layers_is_the_same_however_its_steps_ran(tiny_llama_dir, method):
+    """float32 with quantized layers (the default model's case): a token's products do not depend
+    on the step that computed it (a prefill chunk, a cached prefix's tail, a decode, a verify), so
+    a seeded request's text is one text under `speculation` false, true and `auto`, fresh and over
+    its cached prefix. Before, a verify row that attention summed in another order than a one-token
+    step could round a value to another int8 code, and the texts parted (SmolLM2: 12 of 12)."""
+    target = load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu", weights="int4"))
+    layer = target.model.model.layers[0].mlp.down_proj
+    assert all(target.kernels.table_for(layer).layout(n) == QUANTIZED for n in (1, 5, 17, 300))
+    runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig(method))
+    tok = target.tokenizer
+    modes = (False, True, "auto", False, True)
+    batches = [
+        requests(tok, f"{mode}{k}", mode, n=48, **SEEDED)[i : i + 1] for k, mode in enumerate(modes) for i in range(4)
+    ]
+    texts = asyncio.run(_one_after_another(runner, config_for(target), batches))
+    for i in range(4):
+        runs = {tuple(texts[k * 4 + i][0]) for k in range(len(modes))}
+        assert len(runs) == 1, f"prompt {i}: {len(runs)} different texts"
+
+
+def test_the_default_models_seeded_text_is_one_text_under_every_mode(specd_cache_dir):
+    """The bundled SmolLM2 as served by default (its GGUF's quantized layers), in float32: four
+    chat prompts, seeded at temperature 0.9, under `speculation` false, true and `auto`, fresh and
+    over their cached prefixes, each give one text. Before weight-only kernels and paged attention
+    served every step size, the first of these runs already parted within 20 tokens."""
+    target = load_model(ModelConfig(cache_dir=specd_cache_dir, dtype="float32", device="cpu", tune_kernels=False))
+    runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=512), ProposerConfig("ngram"))
+    tok = target.tokenizer
+    prompts = ["Why do we have seasons on Earth?", "How does a refrigerator keep food cold?",
+               "Give me three practical tips for sleeping better.", "What is compound interest?"]  # fmt: skip
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+    ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
+    modes = (False, True, "auto", False)
+    batches = [
+        [
+            Request(
+                f"{k}-{i}",
+                ids[i],
+                SamplingParams(max_tokens=40, ignore_eos=True, speculation=mode, seed=i, temperature=0.9),
+            )
+        ]
+        for k, mode in enumerate(modes)
+        for i in range(len(prompts))
+    ]
+    texts = asyncio.run(_one_after_another(runner, config_for(target), batches))
+    for i in range(len(prompts)):
+        runs = {tuple(texts[k * len(prompts) + i][0]) for k in range(len(modes))}
+        assert len(runs) == 1, f"prompt {i}: {len(runs)} different texts"
