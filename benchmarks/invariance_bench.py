@@ -66,8 +66,9 @@ def main() -> None:
         for n in streams:
             for speculation in (False, True):
                 for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
-                    paged_attention.use(True, everywhere=mode == "invariant")
-                    r = engine_run(targets[mode], prompts[:n], args.max_tokens, args.draft, speculation=speculation,
+                    target = targets[mode]  # the paged-attention switch as its own load set it
+                    paged_attention.use(True, everywhere=target.batch_invariant or target.step_invariant)
+                    r = engine_run(target, prompts[:n], args.max_tokens, args.draft, speculation=speculation,
                                    k=args.k, runner=runners[mode])  # fmt: skip
                     key = (n, speculation, mode)
                     seconds[key] = seconds.get(key, 0.0) + r.seconds

@@ -5,6 +5,7 @@ directory, registered as `torch.ops.specd.*`:
 - `paged_attention.cpp`: decode attention that reads the KV pool in place (`models.paged_attention`);
 - `layer_ops.cpp`: a decoder layer's small operations fused (`models.layer_ops`);
 - `token_mask.cpp`: grammar bitmasks applied to logits in place (`models.grammar`);
+- `row_linear.cpp`: a dense linear layer that computes each token row alone (`models.linear_kernels`);
 - `quant_linear.cpp`: int4 and int8 weight-only linear layers (`models.quantized`), on x86 with
   AVX2 (elsewhere they are not registered, and quantized layers run their dense values).
 
@@ -29,11 +30,17 @@ import torch
 logger = logging.getLogger("specd.models")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "token_mask.cpp", CSRC / "quant_linear.cpp"]
+SOURCES = [
+    CSRC / "paged_attention.cpp",
+    CSRC / "layer_ops.cpp",
+    CSRC / "token_mask.cpp",
+    CSRC / "row_linear.cpp",
+    CSRC / "quant_linear.cpp",
+]
 HEADERS = [CSRC / "simd.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own libgomp
 # Registered wherever the library builds (the int4/int8 ops: on x86 only, so not listed).
-OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_mul", "rotary_kv", "apply_token_bitmask")
+OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_mul", "rotary_kv", "apply_token_bitmask", "row_linear")
 
 STALE_LOCK_S = 600  # a first build takes ~15 s on 2 cores
 

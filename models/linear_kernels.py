@@ -70,7 +70,9 @@ MIN_GAIN = 0.05
 # 1-64 rows in 0.5-0.7 of F.linear's time; on float32 it is often no faster: the timing decides.
 # QUANTIZED: the layer's weight-only int8/int4 copy (`models.quantized`), for layers that have one.
 # CHUNKED: x @ W^T in calls of exactly INVARIANT_ROWS rows, the last one padded (`--batch-invariant`).
-STANDARD_LAYOUT, TRANSPOSED, PADDED, PACKED, QUANTIZED, CHUNKED = 0, 1, 2, 3, 4, 5
+# ROWWISE: specd's own product that computes each row alone (`csrc/row_linear.cpp`): a dense output
+# projection's, where every step size must give a token the same logits.
+STANDARD_LAYOUT, TRANSPOSED, PADDED, PACKED, QUANTIZED, CHUNKED, ROWWISE = 0, 1, 2, 3, 4, 5, 6
 # A BLAS library picks its kernel (and so the order of a row's sums) by the call's row count:
 # in bf16 on an AMX Xeon, F.linear gave a row other bits past 32 rows than alone, and in
 # float32 at every count from 2. A call of one fixed size gives each row the same bits wherever
@@ -83,6 +85,7 @@ LAYOUT_NAMES = {
     PACKED: "packed",
     QUANTIZED: "weight-only",
     CHUNKED: f"x @ W^T in {INVARIANT_ROWS}-row calls",
+    ROWWISE: "row by row",
 }
 
 
@@ -176,13 +179,18 @@ WEIGHT_ONLY_TABLE = KernelTable(tuple(QUANTIZED for _ in RUNGS), tuple(1.0 for _
 INVARIANT = ModelKernels(layers=INVARIANT_TABLE, output=INVARIANT_TABLE, untimed_quantized=WEIGHT_ONLY_TABLE)
 
 
-def weight_only_quantized(kernels: ModelKernels) -> ModelKernels:
-    """`kernels` with every quantized decoder layer on its weight-only kernel at every size (the
-    dense layers' and the output projection's tables kept). The kernel computes each row alone, so
-    a row's bits no longer depend on its step's size: a prefill chunk, a cached prefix's tail, a
-    decode and a verify give a token the same products (`models.loader`: float32's default)."""
+ROWWISE_TABLE = KernelTable(tuple(ROWWISE for _ in RUNGS), tuple(1.0 for _ in RUNGS), beyond=ROWWISE)
+
+
+def step_invariant_kernels(kernels: ModelKernels, output_quantized: bool) -> ModelKernels:
+    """`kernels` with every quantized decoder layer on its weight-only kernel at every size, and
+    the output projection on its weight-only kernel or, dense, row by row (`ROWWISE`); the dense
+    decoder layers keep their table. Both kernels compute each row alone, so a token's products
+    no longer depend on its step's size: a prefill chunk, a cached prefix's tail, a decode and a
+    verify give it the same bits (`models.loader`: float32's default for quantized models)."""
     return replace(
         kernels,
+        output=WEIGHT_ONLY_TABLE if output_quantized else ROWWISE_TABLE,
         quantized=tuple((fmt, WEIGHT_ONLY_TABLE) for fmt, _ in kernels.quantized),
         untimed_quantized=WEIGHT_ONLY_TABLE,
     )
@@ -223,6 +231,8 @@ def linear(
         return F.linear(x, weight, bias)
     if layout == CHUNKED:
         return chunked_linear(x, weight, bias)
+    if layout == ROWWISE:
+        return torch.ops.specd.row_linear(x, weight, bias)
     if layout == QUANTIZED:
         assert quantized is not None, "the weight-only layout needs the quantized copy"
         out = quantized.matmul(x.reshape(-1, x.shape[-1]).contiguous())  # its kernels read rows densely

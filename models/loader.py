@@ -42,8 +42,8 @@ from models.linear_kernels import (
     check_row_invariance,
     install_model,
     linear_layers,
+    step_invariant_kernels,
     tune_model,
-    weight_only_quantized,
 )
 from models.llama import LlamaForward, uses_sliding_window
 from models.quantized import footprint
@@ -111,6 +111,8 @@ class LoadedModel:
     kernels: ModelKernels = UNTUNED  # the GEMM layout its linear layers use per token count
     weights: str = "auto"  # the --weights it was loaded with (`models.weights`)
     batch_invariant: bool = False
+    # float32 with quantized layers: every step size computes a token alike (`_step_invariant`).
+    step_invariant: bool = False
 
 
 def default_cache_dir() -> Path:
@@ -185,11 +187,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             install_model(model, kernels)  # quantized copies still run small steps (UNTUNED_QUANTIZED)
     step_invariant = _step_invariant(cfg, model, dtype, quantized)
     if step_invariant:
-        kernels = weight_only_quantized(kernels)
+        output_quantized = getattr(model.get_output_embeddings(), "quantized_weight", None) is not None
+        kernels = step_invariant_kernels(kernels, output_quantized)
         install_model(model, kernels)
-        logger.info(
-            "float32 with quantized layers: weight-only kernels and paged attention for every step size"
-        )
+        logger.info("float32 with quantized layers: weight-only kernels and paged attention for every step size")
     if lean is not None:
         lean.use_kernels(kernels)
     if cfg.tune_kernels and device.type == "cpu" and not cfg.batch_invariant:
@@ -209,6 +210,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         kernels=kernels,
         weights=cfg.weights,
         batch_invariant=cfg.batch_invariant,
+        step_invariant=step_invariant,
     )
     dense_bytes, quantized_bytes = footprint(
         model, lean.fused_copies() if lean else (), lean.fused_tensors() if lean else ()
@@ -349,18 +351,19 @@ def local_model_dir(cfg: ModelConfig) -> Path | None:
 
 def _step_invariant(cfg: ModelConfig, model: PreTrainedModel, dtype: torch.dtype, quantized: bool) -> bool:
     """Whether a float32 model with quantized layers serves every step size alike: its quantized
-    layers on their weight-only kernel and every row's attention in the paged kernel, as
-    `--batch-invariant` runs them (its dense products keep their tuned layouts).
+    layers on their weight-only kernel, a dense output projection row by row (`ROWWISE`), and
+    every row's attention in the paged kernel. Each computes a row alone, in one order, so a
+    token gets the same bits from a prefill chunk, a cached prefix's tail, a decode or a verify.
 
-    A quantized layer rounds its input rows to int8, a step function: a row that a verify, a
-    prefill chunk or a cached prefix's tail computed a last bit apart from a one-token step could
-    round one value to the next code. On SmolLM2 in float32, a seeded request at temperature 0.9
-    sent under `speculation` false, true and `auto`, fresh and over its cached prefix, then came
-    back as five texts on 12 of 12 MT-Bench prompts (96 tokens); with this, as one text on 12 of
-    12, and the run took 0.9x the time (docs/determinism.md). In float32 the integer kernel is
-    also the faster product at every size: it multiplies 64 int8 pairs an instruction where
-    float32 multiplies 16. bfloat16 keeps its tuned layouts (dense AMX products win its large
-    steps); there the promise is `--batch-invariant`'s."""
+    A quantized layer rounds its input rows to int8, a step function: a row that another step
+    size computed a last bit apart (attention summed in another order, a dense product for a
+    prefill chunk) could round one value to the next code, and every later layer carries it. On
+    SmolLM2 in float32, a seeded request at temperature 0.9 sent under `speculation` false, true
+    and `auto`, fresh and over its cached prefix, came back as one text on 0 of 12 MT-Bench
+    prompts (96 tokens) before this (docs/determinism.md). In float32 these kernels are also the
+    faster products: the integer one multiplies 64 int8 pairs an instruction where float32
+    multiplies 16. bfloat16 keeps its tuned layouts (dense AMX products win its large steps);
+    there the promise is `--batch-invariant`'s."""
     return (
         quantized
         and dtype == torch.float32

@@ -11,6 +11,7 @@ from models import linear_kernels
 from models.linear_kernels import (
     PACKED,
     PADDED,
+    ROWWISE,
     RUNGS,
     STANDARD_LAYOUT,
     TRANSPOSED,
@@ -202,3 +203,25 @@ def test_row_invariance_is_refused_where_the_library_cannot_hold_it(monkeypatch)
     monkeypatch.setattr(linear_kernels.F, "linear", placed)
     with pytest.raises(RuntimeError, match="batch-invariant"):
         linear_kernels.check_row_invariance([torch.randn(8, 8)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims", [(70, 576), (9, 20), (5, 7)])  # whole vectors; a tail; less than one vector
+def test_the_row_by_row_product_computes_linear_and_each_row_alone(built_kernels, dtype, dims):
+    """ROWWISE (`csrc/row_linear.cpp`): F.linear's product, within the dtype's rounding, and a row's
+    bits are the same at every row count and whatever rows share the call: the property a step of
+    any size needs to give a token the same logits (torch's own product lacks it in float32)."""
+    outputs, dim = dims
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(outputs, dim, generator=generator).to(dtype)
+    bias = torch.randn(outputs, generator=generator).to(dtype)
+    rows = torch.randn(17, dim, generator=generator).to(dtype)
+    out = linear_kernels.linear(rows, weight, bias, ROWWISE)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-2)
+    torch.testing.assert_close(out.float(), F.linear(rows.float(), weight.float(), bias.float()), **tolerance)
+    for start, count in [(0, 1), (3, 1), (3, 5), (12, 5), (0, 16)]:
+        alone = linear_kernels.linear(rows[start : start + count], weight, bias, ROWWISE)
+        assert torch.equal(alone, out[start : start + count])
+    shuffled = torch.randn(4, dim, generator=generator).to(dtype)
+    beside = linear_kernels.linear(torch.cat([shuffled, rows[5:6]]), weight, None, ROWWISE)
+    assert torch.equal(beside[-1], linear_kernels.linear(rows[5:6], weight, None, ROWWISE)[0])

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from models.linear_kernels import QUANTIZED
+from models.linear_kernels import QUANTIZED, ROWWISE
 from models.loader import ModelConfig, load_model
 from scheduler.engine import AsyncEngine
 from scheduler.offline import collect, run_offline
@@ -335,6 +335,9 @@ def test_seeded_text_with_quantized_layers_is_the_same_however_its_steps_ran(tin
     target = load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu", weights="int4"))
     layer = target.model.model.layers[0].mlp.down_proj
     assert all(target.kernels.table_for(layer).layout(n) == QUANTIZED for n in (1, 5, 17, 300))
+    head = target.model.get_output_embeddings()
+    alone = QUANTIZED if getattr(head, "quantized_weight", None) is not None else ROWWISE  # else: a dense head
+    assert all(target.kernels.output.layout(n) == alone for n in (1, 5, 17, 300))
     runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig(method))
     tok = target.tokenizer
     modes = (False, True, "auto", False, True)
