@@ -17,7 +17,7 @@ import logging
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -37,6 +37,7 @@ from models.gguf_cache import GGUFCache, cache_path
 from models.kv_cache import KVCache, tune_attention
 from models.linear_kernels import (
     INVARIANT,
+    ROWWISE_TABLE,
     UNTUNED,
     ModelKernels,
     check_row_invariance,
@@ -180,7 +181,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     quantized = any(getattr(m, "quantized_weight", None) is not None for m in model.modules())
     lean = lean_forward(model)  # fuses q/k/v and gate/up first: the products are timed as they run
     if cfg.batch_invariant:
-        kernels = _invariant_kernels(model, lean, built)
+        kernels = _invariant_kernels(model, lean, built, dtype)
     else:
         kernels = tune_model(model, lean.gemms() if lean else None) if cfg.tune_kernels else UNTUNED
         if quantized and not kernels.is_tuned:
@@ -374,18 +375,26 @@ def _step_invariant(cfg: ModelConfig, model: PreTrainedModel, dtype: torch.dtype
     )
 
 
-def _invariant_kernels(model: PreTrainedModel, lean: LlamaForward | None, built: bool) -> ModelKernels:
+def _invariant_kernels(
+    model: PreTrainedModel, lean: LlamaForward | None, built: bool, dtype: torch.dtype
+) -> ModelKernels:
     """`--batch-invariant`'s products, once this machine's BLAS is seen to hold them on the
-    model's own shapes; refused where some row could still take other bits."""
+    model's own shapes; refused where some row could still take other bits. In float32 a dense
+    output projection runs row by row (`ROWWISE`, invariant by construction): torch's float32
+    product of SmolLM2's in 16-row calls cost 2.55x the default's step at one stream on a 2-core
+    AMD EPYC (docs/determinism.md). In bf16 the 16-row call stays: there it was the faster one."""
     if not built:
         raise RuntimeError("--batch-invariant needs specd's CPU kernels (a CPU device and a C++ compiler)")
     if uses_sliding_window(model.config):
         raise RuntimeError("--batch-invariant: sliding-window attention is not in the paged kernel")
-    install_model(model, INVARIANT)
-    products = [*(lean.gemms() if lean else linear_layers(model)), model.get_output_embeddings()]
+    output = model.get_output_embeddings()
+    rowwise = dtype == torch.float32 and getattr(output, "quantized_weight", None) is None
+    kernels = replace(INVARIANT, output=ROWWISE_TABLE) if rowwise else INVARIANT
+    install_model(model, kernels)
+    products = [*(lean.gemms() if lean else linear_layers(model)), *([] if rowwise else [output])]
     shapes = {(tuple(p.weight.shape), p.weight.dtype): p.weight for p in products}
     check_row_invariance(shapes.values())
-    return INVARIANT
+    return kernels
 
 
 def _gguf_path(model: str | None, cache_dir: Path) -> Path | None:

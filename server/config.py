@@ -192,7 +192,9 @@ class Settings(BaseSettings):
         description="Weight format (CPU): auto keeps a GGUF's quantized tensors quantized (int8 for 5-8 bit types, "
         "int4 for 4-bit and smaller) and a float checkpoint dense; bf16 serves every weight dense in --dtype; int8 "
         "/ int4 quantize every linear layer (the output projection int8). Quantized layers keep their dense values "
-        "too; the timing at load picks, per step size, specd's weight-only kernel (up to ~16 rows) or the dense one.",
+        "too; the timing at load picks, per step size, specd's weight-only kernel (up to ~16 rows) or the dense one; "
+        "in float32 the weight-only kernel runs every step size, so a token's bits do not depend on its step "
+        "(docs/determinism.md).",
     )
     batch_invariant: bool = Field(
         False,
