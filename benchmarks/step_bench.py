@@ -88,6 +88,7 @@ def count_device_syncs(runner: ModelRunner, batch: Batch) -> int | None:
     """Synchronizing CUDA operations in one step (None off CUDA)."""
     if runner.device.type != "cuda":
         return None
+    runner.free([row.request_id for row in batch.rows])  # a verify row drafts again (execute_seconds)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -102,8 +103,9 @@ def count_device_syncs(runner: ModelRunner, batch: Batch) -> int | None:
 def time_step(runner: ModelRunner, rows: list[ScheduledRow], repeats: int) -> tuple[float, float, int | None]:
     """Median seconds of one step over `repeats` runs, host transfers and device syncs per step."""
     batch = Batch(rows=rows)
-    runner.execute(batch)  # warm-up (allocations, kernel selection)
+    execute_seconds(runner, batch)  # warm-up (allocations, kernel selection)
     counter = TransferCounter()
+    runner.free([row.request_id for row in rows])
     with counter:
         runner.execute(batch)
     syncs = count_device_syncs(runner, batch)
@@ -112,7 +114,10 @@ def time_step(runner: ModelRunner, rows: list[ScheduledRow], repeats: int) -> tu
 
 
 def execute_seconds(runner: ModelRunner, batch: Batch) -> float:
-    """One `execute` of `batch`, timed (the device drained before and after)."""
+    """One `execute` of `batch`, timed (the device drained before and after). The rows' host
+    proposer state is dropped first: a verify row's prediction is random, so once its drafts were
+    rejected the prediction proposer would draft nothing more, and every later "verify" a decode."""
+    runner.free([row.request_id for row in batch.rows])
     _sync(runner.device)
     start = time.perf_counter()
     runner.execute(batch)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from benchmarks.common import load
-from benchmarks.step_bench import profile_section
+from benchmarks.step_bench import MAX_LEN, NUM_SLOTS, decode_row, profile_section, time_step
+from speculation.config import ProposerConfig
+from worker.builder import build_runner
+from worker.runner import RunnerConfig
 
 
 def test_profile_names_the_operators_of_a_step(tiny_llama_dir):
@@ -17,3 +20,17 @@ def test_profile_names_the_operators_of_a_step(tiny_llama_dir):
         assert names & {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::bmm"}  # the layers ran
         assert all(op["calls_per_step"] > 0 and op["self_device_ms_per_step"] == 0 for op in record["ops"])  # CPU
     assert "### Step profile (float32, cpu)" in text and "#### batch 16 decode" in text
+
+
+def test_a_timed_verify_case_verifies_at_every_repeat(tiny_llama_dir):
+    """A "verify 1+N" case is one batch executed again and again; its random prediction is
+    rejected at the first, and before the fix every later execute fed one token: a decode."""
+    target = load("float32", str(tiny_llama_dir))
+    runner = build_runner(target, RunnerConfig(max_num_seqs=NUM_SLOTS, max_model_len=MAX_LEN), ProposerConfig("ngram"))
+    fed: list[int] = []
+    hook = target.model.get_input_embeddings().register_forward_hook(lambda m, args, out: fed.append(args[0].numel()))
+    try:
+        time_step(runner, [decode_row("v", 40, 0, target.vocab_size, drafts=4, consecutive=True)], repeats=3)
+    finally:
+        hook.remove()
+    assert fed == [5] * len(fed) and len(fed) >= 5  # warm-up, transfer count, 3 timed
