@@ -414,12 +414,14 @@ def _sample(weights: Iterable[Weight], budget: int) -> list[Weight]:
 _TABLES: dict[tuple, KernelTable] = {}
 
 
-def tune_model(model: nn.Module, gemms: Sequence[Any] | None = None) -> ModelKernels:
+def tune_model(model: nn.Module, gemms: Sequence[Any] | None = None, step_invariant: bool = False) -> ModelKernels:
     """Tune `model`'s decoder layers and its output projection (CPU only), each on its own
     weights, and make them follow their tables; returns them. `gemms`: the decoder's products
     as they really run, when not its linear layers one by one (a forward that fuses q, k and v
     multiplies by their concatenation, and that shape is what is timed). Products with a
-    quantized copy get a table per format, where the weight-only kernel is one of the layouts."""
+    quantized copy get a table per format, where the weight-only kernel is one of the layouts;
+    with `step_invariant` they and the output projection take `step_invariant_kernels`' tables
+    untimed, and only the dense table is timed."""
     output, layers = _split(model)
     if not layers or layers[0].weight.device.type != "cpu":
         return UNTUNED
@@ -431,9 +433,13 @@ def tune_model(model: nn.Module, gemms: Sequence[Any] | None = None) -> ModelKer
     # steps too large for the weight-only kernel's table to matter and for a draft head's layers.
     products = dense or [p for group in groups.values() for p in group]
     layers_table = _table(products, "decoder layers", dense_only=True)
-    quantized = tuple((fmt, _table(group, f"{fmt} decoder layers")) for fmt, group in sorted(groups.items()))
-    output_table = _table([output], "output projection") if output is not None else STANDARD
-    kernels = ModelKernels(layers_table, output_table, quantized)
+    if step_invariant:
+        output_quantized = output is not None and quantized_format(output) != DENSE
+        kernels = step_invariant_kernels(ModelKernels(layers_table), output_quantized)
+    else:
+        quantized = tuple((fmt, _table(group, f"{fmt} decoder layers")) for fmt, group in sorted(groups.items()))
+        output_table = _table([output], "output projection") if output is not None else STANDARD
+        kernels = ModelKernels(layers_table, output_table, quantized)
     install_model(model, kernels)
     _eviction_buffer.cache_clear()  # up to 1 GiB, needed only while timing
     return kernels

@@ -36,6 +36,7 @@ from models.forward import lean_forward
 from models.gguf_cache import GGUFCache, cache_path
 from models.kv_cache import KVCache, tune_attention
 from models.linear_kernels import (
+    DENSE,
     INVARIANT,
     ROWWISE_TABLE,
     UNTUNED,
@@ -43,6 +44,7 @@ from models.linear_kernels import (
     check_row_invariance,
     install_model,
     linear_layers,
+    quantized_format,
     step_invariant_kernels,
     tune_model,
 )
@@ -180,21 +182,21 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     model.requires_grad_(False)
     quantized = any(getattr(m, "quantized_weight", None) is not None for m in model.modules())
     lean = lean_forward(model)  # fuses q/k/v and gate/up first: the products are timed as they run
+    step_invariant = _step_invariant(cfg, model, dtype, quantized)
+    if step_invariant:
+        logger.info("float32 with quantized layers: weight-only kernels and paged attention for every step size")
     if cfg.batch_invariant:
         kernels = _invariant_kernels(model, lean, built, dtype)
     else:
-        kernels = tune_model(model, lean.gemms() if lean else None) if cfg.tune_kernels else UNTUNED
-        if quantized and not kernels.is_tuned:
-            install_model(model, kernels)  # quantized copies still run small steps (UNTUNED_QUANTIZED)
-    step_invariant = _step_invariant(cfg, model, dtype, quantized)
-    if step_invariant:
-        output_quantized = getattr(model.get_output_embeddings(), "quantized_weight", None) is not None
-        kernels = step_invariant_kernels(kernels, output_quantized)
-        install_model(model, kernels)
-        logger.info("float32 with quantized layers: weight-only kernels and paged attention for every step size")
+        kernels = tune_model(model, lean.gemms() if lean else None, step_invariant) if cfg.tune_kernels else UNTUNED
+        if quantized and not kernels.is_tuned:  # quantized copies still run small steps (UNTUNED_QUANTIZED)
+            if step_invariant:
+                kernels = step_invariant_kernels(kernels, quantized_format(model.get_output_embeddings()) != DENSE)
+            install_model(model, kernels)
     if lean is not None:
         lean.use_kernels(kernels)
-    if cfg.tune_kernels and device.type == "cpu" and not cfg.batch_invariant:
+    # Attention's layouts for verify rows and prefill chunks: unused where every row is paged.
+    if cfg.tune_kernels and device.type == "cpu" and not (cfg.batch_invariant or step_invariant):
         tune_attention(*KVCache.heads(model.config), dtype)
     paged = built and (cfg.cpu_attention == "paged" or cfg.batch_invariant)
     paged_attention.use(paged, everywhere=cfg.batch_invariant or step_invariant)
@@ -388,7 +390,7 @@ def _invariant_kernels(
     if uses_sliding_window(model.config):
         raise RuntimeError("--batch-invariant: sliding-window attention is not in the paged kernel")
     output = model.get_output_embeddings()
-    rowwise = dtype == torch.float32 and getattr(output, "quantized_weight", None) is None
+    rowwise = dtype == torch.float32 and quantized_format(output) == DENSE
     kernels = replace(INVARIANT, output=ROWWISE_TABLE) if rowwise else INVARIANT
     install_model(model, kernels)
     products = [*(lean.gemms() if lean else linear_layers(model)), *([] if rowwise else [output])]
