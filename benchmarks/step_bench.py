@@ -88,7 +88,7 @@ def count_device_syncs(runner: ModelRunner, batch: Batch) -> int | None:
     """Synchronizing CUDA operations in one step (None off CUDA)."""
     if runner.device.type != "cuda":
         return None
-    runner.free([row.request_id for row in batch.rows])  # a verify row drafts again (execute_seconds)
+    redraft(runner, batch)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -105,7 +105,7 @@ def time_step(runner: ModelRunner, rows: list[ScheduledRow], repeats: int) -> tu
     batch = Batch(rows=rows)
     execute_seconds(runner, batch)  # warm-up (allocations, kernel selection)
     counter = TransferCounter()
-    runner.free([row.request_id for row in rows])
+    redraft(runner, batch)
     with counter:
         runner.execute(batch)
     syncs = count_device_syncs(runner, batch)
@@ -113,11 +113,17 @@ def time_step(runner: ModelRunner, rows: list[ScheduledRow], repeats: int) -> tu
     return statistics.median(times), float(counter.total), syncs
 
 
-def execute_seconds(runner: ModelRunner, batch: Batch) -> float:
-    """One `execute` of `batch`, timed (the device drained before and after). The rows' host
-    proposer state is dropped first: a verify row's prediction is random, so once its drafts were
-    rejected the prediction proposer would draft nothing more, and every later "verify" a decode."""
+def redraft(runner: ModelRunner, batch: Batch) -> None:
+    """Drop the rows' host proposer state before `batch` runs again: a verify row's prediction is
+    random, so once its drafts were rejected the prediction proposer would draft nothing more,
+    and every later "verify" would be a decode."""
     runner.free([row.request_id for row in batch.rows])
+
+
+def execute_seconds(runner: ModelRunner, batch: Batch) -> float:
+    """One `execute` of `batch`, timed (the device drained before and after); its verify rows
+    verify (`redraft`)."""
+    redraft(runner, batch)
     _sync(runner.device)
     start = time.perf_counter()
     runner.execute(batch)
