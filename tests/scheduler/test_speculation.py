@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from models.linear_kernels import QUANTIZED, ROWWISE
+from benchmarks.common import chat_ids
+from models.linear_kernels import DENSE, QUANTIZED, ROWWISE, quantized_format
 from models.loader import ModelConfig, load_model
 from scheduler.engine import AsyncEngine
 from scheduler.offline import collect, run_offline
@@ -315,12 +316,12 @@ def test_sampled_distribution_with_speculation_matches_without(tiny_llama_dir, t
     assert same_token_distribution_p_value(plain, spec) > 1e-3
 
 
-async def _one_after_another(runner, config, batches: list[list[Request]]) -> list[list[list[int]]]:
-    """Each batch through one engine after the last, so a later one finds its prompts cached."""
+async def _one_after_another(runner, config, sent: list[Request]) -> list[list[int]]:
+    """Each request through one engine after the last, so a later one finds its prompt cached."""
     engine = AsyncEngine(runner, config, inline=True)
     await engine.start()
     try:
-        return [[(await collect(engine, r)).token_ids for r in batch] for batch in batches]
+        return [(await collect(engine, r)).token_ids for r in sent]
     finally:
         await engine.stop(timeout=0)
 
@@ -335,18 +336,14 @@ def test_seeded_text_with_quantized_layers_is_the_same_however_its_steps_ran(tin
     target = load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu", weights="int4"))
     layer = target.model.model.layers[0].mlp.down_proj
     assert all(target.kernels.table_for(layer).layout(n) == QUANTIZED for n in (1, 5, 17, 300))
-    head = target.model.get_output_embeddings()
-    alone = QUANTIZED if getattr(head, "quantized_weight", None) is not None else ROWWISE  # else: a dense head
+    alone = ROWWISE if quantized_format(target.model.get_output_embeddings()) == DENSE else QUANTIZED
     assert all(target.kernels.output.layout(n) == alone for n in (1, 5, 17, 300))
     runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig(method))
-    tok = target.tokenizer
     modes = (False, True, "auto", False, True)
-    batches = [
-        requests(tok, f"{mode}{k}", mode, n=48, **SEEDED)[i : i + 1] for k, mode in enumerate(modes) for i in range(4)
-    ]
-    texts = asyncio.run(_one_after_another(runner, config_for(target), batches))
-    for i in range(4):
-        runs = {tuple(texts[k * 4 + i][0]) for k in range(len(modes))}
+    sent = [r for k, mode in enumerate(modes) for r in requests(target.tokenizer, f"{k}-", mode, n=48, **SEEDED)]
+    texts = asyncio.run(_one_after_another(runner, config_for(target), sent))
+    for i in range(len(PROMPTS)):
+        runs = {tuple(texts[k * len(PROMPTS) + i]) for k in range(len(modes))}
         assert len(runs) == 1, f"prompt {i}: {len(runs)} different texts"
 
 
@@ -357,24 +354,17 @@ def test_the_default_models_seeded_text_is_one_text_under_every_mode(specd_cache
     served every step size, the first of these runs already parted within 20 tokens."""
     target = load_model(ModelConfig(cache_dir=specd_cache_dir, dtype="float32", device="cpu", tune_kernels=False))
     runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=512), ProposerConfig("ngram"))
-    tok = target.tokenizer
     prompts = ["Why do we have seasons on Earth?", "How does a refrigerator keep food cold?",
                "Give me three practical tips for sleeping better.", "What is compound interest?"]  # fmt: skip
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
-    ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
+    ids = [chat_ids(target, p) for p in prompts]
     modes = (False, True, "auto", False)
-    batches = [
-        [
-            Request(
-                f"{k}-{i}",
-                ids[i],
-                SamplingParams(max_tokens=40, ignore_eos=True, speculation=mode, seed=i, temperature=0.9),
-            )
-        ]
+    params = dict(max_tokens=40, ignore_eos=True, temperature=0.9)
+    sent = [
+        Request(f"{k}-{i}", ids[i], SamplingParams(speculation=mode, seed=i, **params))
         for k, mode in enumerate(modes)
         for i in range(len(prompts))
     ]
-    texts = asyncio.run(_one_after_another(runner, config_for(target), batches))
+    texts = asyncio.run(_one_after_another(runner, config_for(target), sent))
     for i in range(len(prompts)):
-        runs = {tuple(texts[k * len(prompts) + i][0]) for k in range(len(modes))}
+        runs = {tuple(texts[k * len(prompts) + i]) for k in range(len(modes))}
         assert len(runs) == 1, f"prompt {i}: {len(runs)} different texts"
