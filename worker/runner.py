@@ -307,8 +307,7 @@ class ModelRunner:
         if nan_rows:
             buf.ints("nan_rows", nan_rows)
 
-    @staticmethod
-    def _plan_grammar_masks(plan: PreparedStep) -> None:
+    def _plan_grammar_masks(self, plan: PreparedStep) -> None:
         """The token bitmask of every kept logit of a row under a grammar: at its next token and
         after each of its drafts (which its grammar allows: `HostDrafts.for_step` cut them)."""
         items: list[tuple[GrammarState, int, list[int]]] = []
@@ -326,7 +325,7 @@ class ModelRunner:
         if not items:
             return
         start = time.perf_counter()
-        bitmask = fill_masks(items, len(rows))
+        bitmask = fill_masks(items, len(rows), parallel=self.device.type != "cpu")
         plan.grammar_mask_seconds = time.perf_counter() - start
         plan.buf.ints("grammar.rows", rows)
         plan.buf.ints("grammar.masks", bitmask)

@@ -56,6 +56,29 @@ def test_masks_follow_the_draft_and_apply_to_packed_rows(tokenizer, grammar_toke
     assert not torch.isfinite(logits[3, len(tokenizer) :]).any()  # past the tokenizer's ids: never
 
 
+def test_serial_masks_are_the_pools_masks_and_commit_nothing(tokenizer, grammar_tokenizer):
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    states = [grammar_tokenizer.compile(regex_grammar(r)).start() for r in ("ab", "[0-9]+", "(yes|no) sir", "ab")]
+    states[3].advance(encode("a"))  # a state part-way through
+    drafts = [encode("a"), encode("123"), encode("yes"), encode("b")]  # the last completes its grammar
+    items = [(state, row, draft) for state, row, draft in zip(states, (0, 2, 6, 10), drafts)]
+    serial = fill_masks(items, 12)
+    assert torch.equal(serial, fill_masks(items, 12, parallel=True))
+    assert allowed(serial[11], grammar_tokenizer.vocab_size) == {tokenizer.eos_token_id}  # done: only the end
+    assert [s.num_tokens for s in states] == [0, 0, 0, 1]
+    assert all(s.accepts(d) == len(d) for s, d in zip(states, drafts))  # the masks committed nothing
+
+    # A draft the grammar refuses part-way: masks up to the refusal, all-allowed after, the state intact.
+    state = grammar_tokenizer.compile(regex_grammar("ab")).start()
+    bitmask = fill_masks([(state, 0, encode("ax"))], 3)
+    assert allowed(bitmask[1], grammar_tokenizer.vocab_size) == {
+        t for t in range(len(tokenizer)) if tokenizer.decode([t]) == "b"
+    }
+    assert bitmask[2].eq(-1).all() and state.error is None and state.accepts(encode("ab")) == 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [128, 100, 200])  # whole words, a part of the last one, wider than the mask
 def test_the_mask_kernel_sets_what_torchs_expression_sets(built_kernels, monkeypatch, dtype, vocab):
