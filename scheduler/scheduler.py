@@ -225,8 +225,8 @@ class Scheduler:
                 budget -= len(prefills[-1].token_ids)
 
         caps = [self._draft_cap(r) for r in decoding]
-        # Rows whose grammar forces their next tokens draft exactly those, ahead of the policy,
-        # which plans the other rows with the budget left.
+        # Rows whose grammar forces their next tokens draft only those; the policy says whether
+        # an `auto` row's pay this step, and plans the other rows with the budget left.
         forced, budget = forced_lengths(decoding, caps, budget)
         caps = [0 if f else cap for f, cap in zip(forced, caps)]
         prefill = StepShape(
@@ -235,7 +235,7 @@ class Scheduler:
             num_logits=sum(p.sample for p in prefills),
         )
         try:
-            ks, self.last_plan = self.policy.decide(decoding, caps, budget, len(self.running), prefill)
+            ks, self.last_plan = self.policy.decide(decoding, caps, budget, len(self.running), prefill, forced)
         except Exception:  # noqa: BLE001 - speculation only speeds a step up: a policy fault must not stop it
             logger.exception("speculation policy failed; this step runs plain")
             ks, self.last_plan = [0] * len(decoding), None
@@ -243,7 +243,6 @@ class Scheduler:
         lookup_rows = plan.lookup_rows if plan else frozenset()
         probe_rows = plan.probe_rows if plan else frozenset()
         for i, (request, k) in enumerate(zip(decoding, ks)):
-            k = k or forced[i]
             lookup = i in lookup_rows
             if k and not self._grow(request, request.num_computed_tokens + 1 + k):
                 # No blocks for every draft: draft what the request's blocks hold (never preempt for drafts).

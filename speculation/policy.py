@@ -92,18 +92,35 @@ class SpecPolicy:
         budget: int,
         num_running: int | None = None,
         prefill: StepShape = NO_PREFILL,
+        grammar: list[int] | None = None,
     ) -> tuple[list[int], StepPlan]:
         """Draft tokens per decoding request (same order; `caps[i]` bounds row i's, `budget` all
         of them), and what the step should yield. `num_running` (default: the decoding requests)
-        is what the operator's cap compares; `prefill` is the rest of the step, for the cost model."""
+        is what the operator's cap compares; `prefill` is the rest of the step, for the cost model.
+
+        `grammar[i]` > 0: row i's grammar forces that many next tokens (`speculation.grammar`;
+        its cap is 0 and `budget` excludes them). A `true` row drafts them all; an `auto` row's
+        are priced like any draft, each as sure to be accepted: where a bigger step costs more
+        than the tokens it saves (many rows on a CPU), they are left for later steps to decode."""
         ks = [0] * len(requests)
         if not requests:
             return ks, StepPlan(0.0, None)
+        grammar = grammar or [0] * len(requests)
+        budget += sum(grammar)  # the grammar rows' tokens, reserved by the caller, are spent below
         auto_allowed = self.config.auto_allowed(len(requests) if num_running is None else num_running)
         k_maxes = [min(self.k_max(r), cap) for r, cap in zip(requests, caps)]
         forced, auto_rows, capped = [], [], False
+        grammar_candidates: list[tuple[float, int]] = []
         for i, request in enumerate(requests):
             mode = request.params.speculation
+            if grammar[i]:
+                if mode is True or not self.config.adaptive:
+                    ks[i] = grammar[i]
+                elif auto_allowed:
+                    grammar_candidates += [(1.0, i)] * grammar[i]
+                else:
+                    capped = True
+                continue
             if k_maxes[i] == 0 or mode is False or self.method_of(request) is None:
                 continue
             if mode is not True and not auto_allowed:
@@ -118,14 +135,15 @@ class SpecPolicy:
         k_maxes = self._available(k_maxes, requests, forced + auto_rows)
         for i in forced:
             ks[i] = k_maxes[i]
-        had_auto_rows = bool(auto_rows)
+        had_auto_rows = bool(auto_rows or grammar_candidates)
         auto_rows = [i for i in auto_rows if k_maxes[i]]
         candidates, lookup_rows = self._candidates(requests, auto_rows, k_maxes, caps)
         budget -= sum(ks)  # forced rows spend the budget first
         if budget < 0:
             ks = _shrink(ks, -budget)
             budget = 0
-        plan = self._choose(requests, candidates, ks, budget, prefill, lookup_rows)
+        grammar_rows = frozenset(i for _, i in grammar_candidates)
+        plan = self._choose(requests, candidates + grammar_candidates, ks, budget, prefill, lookup_rows, grammar_rows)
         if not any(ks) and plan.plain_reason is None and (capped or had_auto_rows):
             plan.plain_reason = "cap" if capped else "no_draft"
         if plan.plain_reason is not None:
@@ -176,10 +194,19 @@ class SpecPolicy:
             candidates += [(gain, i) for gain in gains]
         return candidates, frozenset(lookup_rows)
 
-    def _on_device(self, request: Request, row: int, lookup_rows: frozenset[int]) -> bool:
-        return self.capabilities(request).on_device and row not in lookup_rows
+    def _on_device(self, request: Request, row: int, host_rows: frozenset[int]) -> bool:
+        return self.capabilities(request).on_device and row not in host_rows
 
-    def _choose(self, requests, candidates, ks, budget, prefill: StepShape, lookup_rows: frozenset[int]) -> StepPlan:
+    def _choose(
+        self,
+        requests,
+        candidates,
+        ks,
+        budget,
+        prefill: StepShape,
+        lookup_rows: frozenset[int],
+        grammar_rows: frozenset[int] = frozenset(),
+    ) -> StepPlan:
         """The best prefix of the candidates (by decreasing gain) for the decode rows' tokens per second.
 
         Every prefix is a plan priced by the step's predicted time with that many more tokens;
@@ -192,7 +219,7 @@ class SpecPolicy:
         plain_tokens = len(requests) + prefill.num_tokens
         tokens = plain_tokens + forced
         already_spec = forced > 0
-        on_device = [self._on_device(r, i, lookup_rows) for i, r in enumerate(requests)]
+        on_device = [self._on_device(r, i, lookup_rows | grammar_rows) for i, r in enumerate(requests)]
         draft_positions = max((k for k, dev in zip(ks, on_device) if dev), default=0)
         draft_rows = sum(k for k, dev in zip(ks, on_device) if dev)
         cost = self.cost
@@ -245,7 +272,9 @@ class SpecPolicy:
             if edge <= 1.0 + REQUIRED_EDGE or explore:
                 reason = "explore" if edge > 1.0 + REQUIRED_EDGE else "margin"
                 chosen, expected, seconds, edge = [0] * len(requests), plain_expected, plain_seconds, 1.0
-        for i in {i for _, i in candidates}:  # the raw gains each verify is graded against
+        for i in grammar_rows:  # drafted by the grammar: no proposer's estimate to grade
+            ks[i] = chosen[i]
+        for i in {i for _, i in candidates} - grammar_rows:  # the raw gains each verify is graded against
             ks[i] = chosen[i] or ks[i]
             state = self.row(requests[i], lookup=i in lookup_rows)
             state.planned = state.raw[: chosen[i]]

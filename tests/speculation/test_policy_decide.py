@@ -166,3 +166,18 @@ def test_a_draft_model_whose_forward_grows_with_its_rows_pays_at_one_stream_and_
         for r in batch:
             policy.observe(r, 4, 2)  # alpha ~ 0.6
         assert (sum(decide(policy, batch)) > 0) == drafts
+
+
+def test_grammar_forced_tokens_are_priced_for_auto_rows_and_drafted_for_true_rows():
+    """A grammar's forced tokens are sure drafts: `auto` rows draft them where the step's cost
+    says a verify step pays, and not where a verify step's own cost outweighs them or the batch
+    is over the operator's cap; a `true` row drafts them whatever they cost."""
+    auto, true = [req("a0"), req("a1")], req("t0", speculation=True)
+    for fn, drafts in ((linear(1.0, 0.01), [3, 2]), (linear(0.1, 0.01, c=5.0), [0, 0])):
+        policy = SpecPolicy(SpecConfig(num_speculative_tokens=4), Drafting("ngram"), cost=trained(fn))
+        # Caps as the scheduler passes them (a grammar row drafts nothing else), its tokens not in the budget.
+        assert policy.decide(auto, [0, 0], 256, grammar=[3, 2])[0] == drafts
+        assert policy.decide([true], [0], 256, grammar=[4])[0] == [4]
+    capped = SpecPolicy(SpecConfig(num_speculative_tokens=4, spec_disable_batch_size=2), Drafting("ngram"))
+    ks, plan = capped.decide([*auto, true], [0, 0, 0], 256, grammar=[3, 2, 4])
+    assert ks == [0, 0, 4]
