@@ -182,12 +182,13 @@ INVARIANT = ModelKernels(layers=INVARIANT_TABLE, output=INVARIANT_TABLE, untimed
 ROWWISE_TABLE = KernelTable(tuple(ROWWISE for _ in RUNGS), tuple(1.0 for _ in RUNGS), beyond=ROWWISE)
 
 
-def step_invariant_kernels(kernels: ModelKernels, output_quantized: bool) -> ModelKernels:
+def step_invariant_kernels(kernels: ModelKernels, output: nn.Module | None) -> ModelKernels:
     """`kernels` with every quantized decoder layer on its weight-only kernel at every size, and
-    the output projection on its weight-only kernel or, dense, row by row (`ROWWISE`); the dense
+    the `output` projection on its weight-only kernel or, dense, row by row (`ROWWISE`); the dense
     decoder layers keep their table. Both kernels compute each row alone, so a token's products
     no longer depend on its step's size: a prefill chunk, a cached prefix's tail, a decode and a
     verify give it the same bits (`models.loader`: float32's default for quantized models)."""
+    output_quantized = output is not None and quantized_format(output) != DENSE
     return replace(
         kernels,
         output=WEIGHT_ONLY_TABLE if output_quantized else ROWWISE_TABLE,
@@ -434,8 +435,7 @@ def tune_model(model: nn.Module, gemms: Sequence[Any] | None = None, step_invari
     products = dense or [p for group in groups.values() for p in group]
     layers_table = _table(products, "decoder layers", dense_only=True)
     if step_invariant:
-        output_quantized = output is not None and quantized_format(output) != DENSE
-        kernels = step_invariant_kernels(ModelKernels(layers_table), output_quantized)
+        kernels = step_invariant_kernels(ModelKernels(layers_table), output)
     else:
         quantized = tuple((fmt, _table(group, f"{fmt} decoder layers")) for fmt, group in sorted(groups.items()))
         output_table = _table([output], "output projection") if output is not None else STANDARD

@@ -191,7 +191,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         kernels = tune_model(model, lean.gemms() if lean else None, step_invariant) if cfg.tune_kernels else UNTUNED
         if quantized and not kernels.is_tuned:  # quantized copies still run small steps (UNTUNED_QUANTIZED)
             if step_invariant:
-                kernels = step_invariant_kernels(kernels, quantized_format(model.get_output_embeddings()) != DENSE)
+                kernels = step_invariant_kernels(kernels, model.get_output_embeddings())
             install_model(model, kernels)
     if lean is not None:
         lean.use_kernels(kernels)

@@ -226,8 +226,8 @@ class Scheduler:
 
         caps = [self._draft_cap(r) for r in decoding]
         # Rows whose grammar forces their next tokens draft only those; the policy says whether
-        # an `auto` row's pay this step, and plans the other rows with the budget left.
-        forced, budget = forced_lengths(decoding, caps, budget)
+        # an `auto` row's pay this step, and plans the other rows with the budget they leave.
+        forced = forced_lengths(decoding, caps, budget)
         caps = [0 if f else cap for f, cap in zip(forced, caps)]
         prefill = StepShape(
             num_tokens=sum(len(p.token_ids) for p in prefills),

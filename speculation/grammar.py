@@ -18,16 +18,16 @@ def forces(request: Request) -> bool:
     )
 
 
-def forced_lengths(requests: Sequence[Request], caps: list[int], budget: int) -> tuple[list[int], int]:
-    """Per row, how many grammar-forced tokens it drafts this step (free, and certain under the
-    mask), within its cap and the step's token budget, in row order; and the budget left."""
+def forced_lengths(requests: Sequence[Request], caps: list[int], budget: int) -> list[int]:
+    """Per row, how many grammar-forced tokens it may draft this step (free, and certain under the
+    mask), within its cap and the step's token budget, in row order."""
     lengths = [0] * len(requests)
     for i, request in enumerate(requests):
         if caps[i] and budget > 0 and forces(request):
             assert request.constraint is not None
             lengths[i] = min(len(request.constraint.forced()), caps[i], MAX_SPEC_TOKENS, budget)
             budget -= lengths[i]
-    return lengths, budget
+    return lengths
 
 
 class GrammarProposer(Proposer):

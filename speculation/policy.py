@@ -99,14 +99,13 @@ class SpecPolicy:
         is what the operator's cap compares; `prefill` is the rest of the step, for the cost model.
 
         `grammar[i]` > 0: row i's grammar forces that many next tokens (`speculation.grammar`;
-        its cap is 0 and `budget` excludes them). A `true` row drafts them all; an `auto` row's
+        its cap is 0, and they fit `budget`). A `true` row drafts them all; an `auto` row's
         are priced like any draft, each as sure to be accepted: where a bigger step costs more
         than the tokens it saves (many rows on a CPU), they are left for later steps to decode."""
         ks = [0] * len(requests)
         if not requests:
             return ks, StepPlan(0.0, None)
         grammar = grammar or [0] * len(requests)
-        budget += sum(grammar)  # the grammar rows' tokens, reserved by the caller, are spent below
         auto_allowed = self.config.auto_allowed(len(requests) if num_running is None else num_running)
         k_maxes = [min(self.k_max(r), cap) for r, cap in zip(requests, caps)]
         forced, auto_rows, capped = [], [], False
@@ -219,7 +218,8 @@ class SpecPolicy:
         plain_tokens = len(requests) + prefill.num_tokens
         tokens = plain_tokens + forced
         already_spec = forced > 0
-        on_device = [self._on_device(r, i, lookup_rows | grammar_rows) for i, r in enumerate(requests)]
+        host_rows = lookup_rows | grammar_rows
+        on_device = [self._on_device(r, i, host_rows) for i, r in enumerate(requests)]
         draft_positions = max((k for k, dev in zip(ks, on_device) if dev), default=0)
         draft_rows = sum(k for k, dev in zip(ks, on_device) if dev)
         cost = self.cost

@@ -326,6 +326,13 @@ async def _one_after_another(runner, config, sent: list[Request]) -> list[list[i
         await engine.stop(timeout=0)
 
 
+def _assert_one_text_per_prompt(texts: list[list[int]], num_prompts: int) -> None:
+    """`texts`: every prompt's text once per mode, mode by mode; each prompt's must be one text."""
+    for i in range(num_prompts):
+        runs = {tuple(text) for text in texts[i::num_prompts]}
+        assert len(runs) == 1, f"prompt {i}: {len(runs)} different texts"
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_seeded_text_with_quantized_layers_is_the_same_however_its_steps_ran(tiny_llama_dir, method):
     """float32 with quantized layers (the default model's case): a token's products do not depend
@@ -341,10 +348,7 @@ def test_seeded_text_with_quantized_layers_is_the_same_however_its_steps_ran(tin
     runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=256), ProposerConfig(method))
     modes = (False, True, "auto", False, True)
     sent = [r for k, mode in enumerate(modes) for r in requests(target.tokenizer, f"{k}-", mode, n=48, **SEEDED)]
-    texts = asyncio.run(_one_after_another(runner, config_for(target), sent))
-    for i in range(len(PROMPTS)):
-        runs = {tuple(texts[k * len(PROMPTS) + i]) for k in range(len(modes))}
-        assert len(runs) == 1, f"prompt {i}: {len(runs)} different texts"
+    _assert_one_text_per_prompt(asyncio.run(_one_after_another(runner, config_for(target), sent)), len(PROMPTS))
 
 
 def test_the_default_models_seeded_text_is_one_text_under_every_mode(specd_cache_dir):
@@ -364,7 +368,4 @@ def test_the_default_models_seeded_text_is_one_text_under_every_mode(specd_cache
         for k, mode in enumerate(modes)
         for i in range(len(prompts))
     ]
-    texts = asyncio.run(_one_after_another(runner, config_for(target), sent))
-    for i in range(len(prompts)):
-        runs = {tuple(texts[k * len(prompts) + i]) for k in range(len(modes))}
-        assert len(runs) == 1, f"prompt {i}: {len(runs)} different texts"
+    _assert_one_text_per_prompt(asyncio.run(_one_after_another(runner, config_for(target), sent)), len(prompts))

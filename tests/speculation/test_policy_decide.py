@@ -175,7 +175,7 @@ def test_grammar_forced_tokens_are_priced_for_auto_rows_and_drafted_for_true_row
     auto, true = [req("a0"), req("a1")], req("t0", speculation=True)
     for fn, drafts in ((linear(1.0, 0.01), [3, 2]), (linear(0.1, 0.01, c=5.0), [0, 0])):
         policy = SpecPolicy(SpecConfig(num_speculative_tokens=4), Drafting("ngram"), cost=trained(fn))
-        # Caps as the scheduler passes them (a grammar row drafts nothing else), its tokens not in the budget.
+        # Caps as the scheduler passes them: a grammar row drafts nothing else.
         assert policy.decide(auto, [0, 0], 256, grammar=[3, 2])[0] == drafts
         assert policy.decide([true], [0], 256, grammar=[4])[0] == [4]
     capped = SpecPolicy(SpecConfig(num_speculative_tokens=4, spec_disable_batch_size=2), Drafting("ngram"))
