@@ -68,7 +68,7 @@ MIN_GAIN = 0.05
 # x @ W^T; (W @ x^T)^T; one row computed as two, transposed; oneDNN on a weight reordered once
 # for its kernels (`pack`). On an AMX CPU in bf16 the packed product of SmolLM2's MLP weights ran
 # 1-64 rows in 0.5-0.7 of F.linear's time; on float32 it is often no faster: the timing decides.
-# QUANTIZED: the layer's weight-only int8/int4 copy (`models.quantized`), for layers that have one.
+# QUANTIZED: the layer's weight-only int8/int6/int4 copy (`models.quantized`), for layers that have one.
 # CHUNKED: x @ W^T in calls of exactly INVARIANT_ROWS rows, the last one padded (`--batch-invariant`).
 # ROWWISE: specd's own product that computes each row alone (`csrc/row_linear.cpp`): a dense output
 # projection's, where every step size must give a token the same logits.

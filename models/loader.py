@@ -78,8 +78,8 @@ class ModelConfig:
     trust_remote_code: bool = False
     tune_kernels: bool = True  # time the linear layers' GEMM layouts at load (CPU; linear_kernels.py)
     cpu_attention: str = "paged"  # paged | gather: how CPU decode rows read the KV pool (paged_attention.py)
-    weights: str = "auto"  # auto | bf16 | int8 | int4: the format each weight is served in (weights.py)
-    output_weights: str | None = None  # int8 | int4: the output projection's, where weights is int8/int4 (None: int8)
+    weights: str = "auto"  # auto | bf16 | int8 | int6 | int4: the format each weight is served in (weights.py)
+    output_weights: str | None = None  # int8 | int6 | int4: the output projection's where weights quantizes; None: int8
     # Fixed-size GEMM calls and paged attention for every row: a token's bits do not depend on
     # its step's other rows (linear_kernels.INVARIANT, paged_attention.everywhere).
     batch_invariant: bool = False
@@ -89,8 +89,9 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.weights not in weights.WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(weights.WEIGHTS)}; got {self.weights!r}")
-        if self.output_weights not in (None, weights.INT8, weights.INT4):
-            raise ValueError(f"output_weights must be int8 or int4; got {self.output_weights!r}")
+        if self.output_weights not in (None, *weights.QUANTIZED_FORMATS):
+            choices = ", ".join(weights.QUANTIZED_FORMATS)
+            raise ValueError(f"output_weights must be one of {choices}; got {self.output_weights!r}")
         if self.cpu_attention not in ("paged", "gather"):
             raise ValueError(f"cpu_attention must be paged or gather; got {self.cpu_attention!r}")
         if not _DEVICE_NAME.fullmatch(self.device):

@@ -1,4 +1,4 @@
-"""Weight-only quantized copies of linear layers: int8 and int4, in groups of 32 inputs.
+"""Weight-only quantized copies of linear layers: int8, int6 and int4.
 
 On a CPU a decode step is a read of every weight. A GGUF ships its weights at 4-6 bits; widened
 to bfloat16 they cost 3-4x the bytes per step (Qwen2.5-Coder-1.5B Q4_K_M: 1.1 GB on disk, 3.1 GB
@@ -8,6 +8,11 @@ the rows quantized to int8 per group of `GROUP` inputs, as llama.cpp does:
 
 - int8: codes in -127..127 and a float16 scale per row and group of `GROUP` inputs
   (w = code * scale), as GGUF's Q8_0.
+- int6: codes in -32..31 and a float16 scale per row and block of `BLOCK` inputs
+  (w = code * scale): 7 bits a weight. GGUF's Q6_K (an int8 scale per 16 under a float16 one
+  per 256) and Q5_0 (a float16 scale per 32) are such grids: each block is requantized on the
+  step its values sit on (`_symmetric_steps`), so it keeps the file's values, the scale rounded
+  to float16 apart. In int8 they read 8.5 bits a weight.
 - int4: codes in 0..15 and a float16 scale and minimum per row and group of `GROUP` inputs
   (w = code * scale + minimum). 32 is the sub-block of llama.cpp's Q4_K: a Q4_K tensor is
   requantized on its own groups, each on the grid its values sit on (`_grid_steps`), so it keeps
@@ -22,8 +27,8 @@ dtype), and the kernel table (`models.linear_kernels`, timed per row count at lo
 weight-only kernel or a dense layout per step. The two differ by the rows' int8 rounding (a
 relative 0.5% of a product), as the dtype's rounding differs between step shapes; each row's sums
 are its own, so a row gets the same bits from the kernel whatever shares its step. Resident
-cost: the dense weight (and its packed copy where a dense layout packs) plus 1.0625 (int8) or
-0.625 (int4) bytes per weight.
+cost: the dense weight (and its packed copy where a dense layout packs) plus 1.0625 (int8),
+0.875 (int6) or 0.625 (int4) bytes per weight.
 """
 
 from __future__ import annotations
@@ -34,10 +39,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-INT8, INT4 = "int8", "int4"
+INT8, INT6, INT4 = "int8", "int6", "int4"
 GROUP = 32  # inputs per int4 (scale, minimum) group, and per activation scale in the kernels
+BLOCK = 16  # inputs per int6 scale
 TILE = 16  # output rows per tile of the kernels' layout
-LAYOUT_VERSION = 2  # of the codes, scales and minimums as stored: a change rebuilds packed caches
+# of the codes, scales and minimums as stored, and of which format `auto` gives a GGUF type: a
+# change rebuilds packed caches (3: int6 for 5- and 6-bit types)
+LAYOUT_VERSION = 3
 
 
 class QuantizedWeight:
@@ -109,7 +117,8 @@ def _grid_steps(w: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch
 
 def _codes(values: torch.Tensor, scale: torch.Tensor, low: int, high: int) -> torch.Tensor:
     """round(values / scale) within [low, high]; 0 where the scale is 0 (a group of one value)."""
-    return torch.where(scale > 0, torch.round(values / scale.clamp(min=1e-30)), 0.0).clamp_(low, high)
+    nonzero = scale != 0
+    return torch.where(nonzero, torch.round(values / torch.where(nonzero, scale, 1.0)), 0.0).clamp_(low, high)
 
 
 class TiledWeight(QuantizedWeight):
@@ -117,7 +126,7 @@ class TiledWeight(QuantizedWeight):
     per-tile scales: every tensor of `tensors` is sliced and stacked by tile along its first axis."""
 
     kernel: ClassVar[str]  # its op in torch.ops.specd, called as kernel(rows, *tensors)
-    inputs_per_column: ClassVar[int]  # inputs per 64-byte column of a tile's codes
+    inputs_per_column: ClassVar[int]  # inputs per column of a tile's codes (its second axis)
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], out_features: int):
         self.tensors = tensors  # codes first
@@ -215,7 +224,60 @@ class Int4Weight(TiledWeight):
         return codes.float() * self._group_values(scales) + self._group_values(mins)
 
 
-FORMATS: dict[str, type[TiledWeight]] = {INT8: Int8Weight, INT4: Int4Weight}
+def _symmetric_steps(w: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    """Per block of w [B, BLOCK], the steps k <= 32 from 0 to its value of largest magnitude
+    (`peak`) of a grid every value sits on, the largest that does; 31 where none does (float
+    weights: the peak at -31 and its negation at 31 both fit). A Q6_K block's values are
+    d * sc * q with q in -32..31 and Q5_0's d * q with q in -16..15, the peak at some q of
+    magnitude k: on that grid they keep their values."""
+    steps = torch.full(peak.shape, 31.0)
+    open_ = torch.ones(peak.shape, dtype=torch.bool)
+    for k in range(32, 0, -1):  # most Q6_K blocks settle within the first few
+        rows = open_.nonzero().squeeze(1)
+        if rows.numel() == 0:
+            break
+        codes = -w[rows] * (k / peak[rows])[:, None]  # the peak at -k
+        on_grid = ((codes - codes.round()).abs().amax(dim=-1) < 1e-3) & (codes.round().amax(dim=-1) <= 31)
+        found = rows[on_grid]
+        steps[found] = float(k)
+        open_[found] = False
+    return steps
+
+
+class Int6Weight(TiledWeight):
+    """codes [N/16, K/16, 192] uint8 (tile, block of 16 inputs: two columns of low nibbles and
+    one of top bits, as the kernel reads them); scales [N/16, K/16, 16] float16:
+    w = (code - 32) * scale, code in 0..63."""
+
+    fmt, kernel, inputs_per_column = INT6, "int6_linear", BLOCK
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int6Weight:
+        n, k = weight.shape
+        w = _tiles(weight.detach().float()).view(-1, BLOCK)
+        peak = w.gather(1, w.abs().argmax(dim=1, keepdim=True)).squeeze(1)
+        scales = torch.where(peak != 0, -peak / _symmetric_steps(w, peak), 0.0).to(torch.float16)
+        codes = (_codes(w, scales.float()[:, None], -32, 31) + 32).to(torch.uint8)
+        # [tile, block, quarter c, row, j]: the code of input 16 * block + 4c + j
+        c = codes.view(-1, TILE, k // BLOCK, 4, 4).permute(0, 2, 3, 1, 4)
+        low, high = c & 15, c >> 4
+        columns = [low[:, :, 0] | low[:, :, 1] << 4, low[:, :, 2] | low[:, :, 3] << 4,
+                   high[:, :, 0] | high[:, :, 1] << 2 | high[:, :, 2] << 4 | high[:, :, 3] << 6]  # fmt: skip
+        packed = torch.stack(columns, dim=2).reshape(-1, k // BLOCK, 192).contiguous()
+        return cls((packed, scales.view(-1, TILE, k // BLOCK).transpose(1, 2).contiguous()), n)
+
+    def values(self) -> torch.Tensor:
+        packed, scales = self.tensors
+        k = self.in_features
+        first, second, highs = packed.view(-1, k // BLOCK, 3, TILE, 4).unbind(dim=2)  # each [tile, block, row, j]
+        low = torch.stack([first & 15, first >> 4, second & 15, second >> 4], dim=2)
+        high = torch.stack([highs & 3, highs >> 2 & 3, highs >> 4 & 3, highs >> 6], dim=2)
+        codes = (low | high << 4).permute(0, 3, 1, 2, 4).reshape(-1, TILE, k // BLOCK, BLOCK).float() - 32
+        rows = codes * scales.float().transpose(1, 2)[..., None]
+        return rows.reshape(-1, TILE, k // GROUP, GROUP)
+
+
+FORMATS: dict[str, type[TiledWeight]] = {INT8: Int8Weight, INT6: Int6Weight, INT4: Int4Weight}
 
 
 def restore(fmt: str, tensors: Sequence[torch.Tensor], out_features: int) -> QuantizedWeight:

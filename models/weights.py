@@ -2,14 +2,15 @@
 
 - `bf16`: every weight dense, in the served dtype (`--dtype`: bfloat16, or float32 on CPUs
   without native bf16). What specd did before quantized layers existed.
-- `int8` / `int4`: every linear layer of the decoder quantized (`models.quantized`), the output
+- `int8` / `int6` / `int4`: every linear layer of the decoder quantized (`models.quantized`), the output
   projection in int8 (logits are where 4-bit error shows first: llama.cpp's Q4_K_M keeps its
   output at 6 bits for the same reason), unless it is the input embedding too. The embedding is
   a gather of a few rows, nothing to gain: it stays dense.
-- `auto`: a GGUF's quantized linear layers stay quantized, each requantized in the nearest
-  format by its bits (4-bit and smaller types: int4; 5- to 8-bit types: int8), and the rest stays
-  dense: float tensors, the embedding, and an output projection that is the embedding (a tied
-  model's); a float checkpoint (a Hub id or a directory) stays as it is.
+- `auto`: a GGUF's quantized linear layers stay quantized, each in the format that holds its
+  values (4-bit and smaller types: int4; Q6_K and Q5_0, symmetric grids of 64 levels or fewer:
+  int6; Q5_1, Q5_K and 8-bit types: int8), the output projection in int8 where its type is 4-bit,
+  and the rest stays dense: float tensors, the embedding, and an output projection that is the
+  embedding (a tied model's); a float checkpoint (a Hub id or a directory) stays as it is.
 
 A draft model has its own choice (`--draft-weights`, `draft_formats`): its weights only steer
 acceptance, so by default it is int4 throughout, output projection included.
@@ -32,17 +33,19 @@ from safetensors.torch import save_file
 from torch import nn
 
 from models.linear_kernels import TunedLinear
-from models.quantized import INT4, INT8, QuantizedWeight, TiledWeight, kernels_available, quantize, restore
+from models.quantized import INT4, INT6, INT8, QuantizedWeight, TiledWeight, kernels_available, quantize, restore
 
 logger = logging.getLogger("specd.models")
 
-WEIGHTS = ("auto", "bf16", "int8", "int4")
+WEIGHTS = ("auto", "bf16", "int8", "int6", "int4")
+QUANTIZED_FORMATS = (INT8, INT6, INT4)
 BF16 = "bf16"  # every weight dense, in the served dtype
 
 # GGUF tensor types by the format (`models.quantized`) nearest their bits per weight.
 _GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS",
               "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"}  # fmt: skip
-_GGUF_INT8 = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
+_GGUF_INT6 = {"Q6_K", "Q5_0"}  # codes times a scale: int6 holds their values (`Int6Weight`)
+_GGUF_INT8 = {"Q5_1", "Q5_K", "Q8_0", "Q8_1", "Q8_K"}  # Q5_1 and Q5_K add a minimum: on int6's grid they would move
 # GGUF tensor names of a Llama-family decoder -> the transformers module they load into.
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 _GGUF_MODULES = {
@@ -56,21 +59,29 @@ _GGUF_MODULES = {
 }
 OUTPUT = "output"  # the plan's key for the output projection
 
-Plan = dict[str, str]  # module name (or OUTPUT) -> INT8 | INT4; absent: dense
+Plan = dict[str, str]  # module name (or OUTPUT) -> INT8 | INT6 | INT4; absent: dense
+
+
+def gguf_format(kind: str, output: bool = False) -> str | None:
+    """The format `auto` keeps a GGUF tensor of type `kind` in (None: a float type, kept dense);
+    an `output` projection of a 4-bit type in int8."""
+    if kind in _GGUF_INT4:
+        return INT8 if output else INT4
+    return INT6 if kind in _GGUF_INT6 else INT8 if kind in _GGUF_INT8 else None
 
 
 def gguf_plan(path: Path) -> Plan:
-    """`auto` for a GGUF: each quantized tensor in the format nearest its type."""
+    """`auto` for a GGUF: each quantized tensor in the format that holds its values."""
     import gguf  # transformers' own GGUF reader dependency
 
     plan: Plan = {}
     for tensor in gguf.GGUFReader(path).tensors:
-        kind = tensor.tensor_type.name
-        fmt = INT4 if kind in _GGUF_INT4 else INT8 if kind in _GGUF_INT8 else None
+        output = tensor.name == "output.weight"
+        fmt = gguf_format(tensor.tensor_type.name, output)
         if fmt is None:
             continue
-        if tensor.name == "output.weight":
-            plan[OUTPUT] = INT8
+        if output:
+            plan[OUTPUT] = fmt
         elif (match := _GGUF_LAYER.fullmatch(tensor.name)) and match[2] in _GGUF_MODULES:
             plan[f"model.layers.{match[1]}.{_GGUF_MODULES[match[2]]}"] = fmt
     return plan
@@ -108,7 +119,7 @@ def quantizes(choice: str, from_gguf: bool, device: torch.device) -> bool:
 
 def plan_for(choice: str, model: Any, gguf_path: Path | None, device: torch.device, output: str | None = None) -> Plan:
     """The plan `--weights choice` means for `model` (loaded from `gguf_path`, if from a GGUF);
-    `output`: the output projection's format where `choice` is int8/int4 (None: int8)."""
+    `output`: the output projection's format where `choice` quantizes uniformly (None: int8)."""
     if not quantizes(choice, gguf_path is not None, device):
         return {}
     if choice == "auto":
@@ -125,15 +136,15 @@ def draft_formats(choice: str, device: torch.device) -> tuple[str, str | None]:
     """(weights, output) a draft model loads with for `--draft-weights choice`. A draft's weights
     decide how many of its tokens the target accepts, never what is served, so `auto` reads the
     fewest bytes: int4 throughout, output projection included, where the weight-only kernels run
-    (dense elsewhere, without a warning); int8 / int4 quantize its output projection alike."""
+    (dense elsewhere, without a warning); int8 / int6 / int4 quantize its output projection alike."""
     if choice == "auto":
         choice = INT4 if device.type == "cpu" and kernels_available() else BF16
-    return choice, (choice if choice in (INT8, INT4) else None)
+    return choice, (choice if choice in QUANTIZED_FORMATS else None)
 
 
 def packing_name(choice: str, output: str | None) -> str:
     """The name a packed cache is kept under for `choice` (and an output format other than int8)."""
-    return choice if output in (None, INT8) or choice not in (INT8, INT4) else f"{choice}-{output}-output"
+    return choice if output in (None, INT8) or choice not in QUANTIZED_FORMATS else f"{choice}-{output}-output"
 
 
 @torch.no_grad()

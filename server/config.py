@@ -187,14 +187,14 @@ class Settings(BaseSettings):
         "needs a C++ compiler, else gather with a warning) or gather (each row's blocks copied out for SDPA "
         "every layer).",
     )
-    weights: Literal["auto", "bf16", "int8", "int4"] = Field(
+    weights: Literal["auto", "bf16", "int8", "int6", "int4"] = Field(
         "auto",
-        description="Weight format (CPU): auto keeps a GGUF's quantized tensors quantized (int8 for 5-8 bit types, "
-        "int4 for 4-bit and smaller) and a float checkpoint dense; bf16 serves every weight dense in --dtype; int8 "
-        "/ int4 quantize every linear layer (the output projection int8). Quantized layers keep their dense values "
-        "too; the timing at load picks, per step size, specd's weight-only kernel (up to ~16 rows) or the dense one; "
-        "in float32 the weight-only kernel runs every step size, so a token's bits do not depend on its step "
-        "(docs/determinism.md).",
+        description="Weight format (CPU): auto keeps a GGUF's quantized tensors quantized (int4 for 4-bit and smaller "
+        "types, int6 for Q6_K and Q5_0, int8 for other 5-8 bit types) and a float checkpoint dense; bf16 serves "
+        "every weight dense in --dtype; int8 / int6 / int4 quantize every linear layer (the output projection "
+        "int8). Quantized layers keep their dense values too; the timing at load picks, per step size, specd's "
+        "weight-only kernel (up to ~16 rows) or the dense one; in float32 the weight-only kernel runs every step "
+        "size, so a token's bits do not depend on its step (docs/determinism.md).",
     )
     batch_invariant: bool = Field(
         False,
@@ -220,11 +220,12 @@ class Settings(BaseSettings):
         None,
         description="A draft model sharing the target's tokenizer: a catalogue name, Hub id, directory or .gguf file.",
     )
-    draft_weights: Literal["auto", "bf16", "int8", "int4"] = Field(
+    draft_weights: Literal["auto", "bf16", "int8", "int6", "int4"] = Field(
         "auto",
         description="--draft-model's weight format (CPU). A draft's weights decide only how many of its tokens the "
         "target accepts, never the served text, so auto reads the fewest bytes: int4 for every linear layer, output "
-        "projection included (dense where the weight-only kernels do not run); int8 / int4 likewise; bf16 dense.",
+        "projection included (dense where the weight-only kernels do not run); int8 / int6 / int4 likewise; bf16 "
+        "dense.",
     )
     draft_head: Path | None = Field(
         None,

@@ -1,6 +1,6 @@
 // Weight-only quantized linear layers on CPU: y = x @ W^T with W in int4 (groups of 32 inputs,
-// a float16 scale and minimum each) or int8 (groups of 32 inputs, a float16 scale each), read
-// once from memory for every row of the step.
+// a float16 scale and minimum each), int6 (groups of 16 inputs, a float16 scale each) or int8
+// (groups of 32 inputs, a float16 scale each), read once from memory for every row of the step.
 //
 // A decode or verify step is a read of every weight, so the kernel is built around the bytes:
 // each weight is loaded once per tile of 16 output rows and multiplied into up to 8 token rows
@@ -20,6 +20,11 @@
 //     scales, mins [N/16, K/32, 16] float16: w = code * scale + min.
 //   int8 codes [N/16, K/4, 64] int8: for tile t and input quad q, byte 4r+j is row 16t+r's code
 //     of input 4q+j, in -127..127; scales [N/16, K/32, 16] float16: w = code * scale.
+//   int6 codes [N/16, K/16, 192] uint8: for tile t and block b of 16 inputs, three 64-byte
+//     columns. In the first, byte 4r+j holds the low 4 bits of row 16t+r's codes of inputs 16b+j
+//     (low nibble) and 16b+4+j (high nibble); in the second, of 16b+8+j and 16b+12+j; in the
+//     third, their top 2 bits, in that order from bit 0 (GGUF's Q6_K splits its codes alike).
+//     Codes 0..63; scales [N/16, K/16, 16] float16: w = (code - 32) * scale.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -59,7 +64,13 @@ struct Isa {
   static I dwords(int32_t v) { return _mm512_set1_epi32(v); }
   static I band(I a, I b) { return _mm512_and_si512(a, b); }
   static I bxor(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I bor(I a, I b) { return _mm512_or_si512(a, b); }
+  // Each byte's low nibble from a, its high one from b: one vpternlogd.
+  static I low_high(I a, I b) { return _mm512_ternarylogic_epi32(_mm512_set1_epi8(0x0F), a, b, 0xCA); }
   static I shr4(I a) { return _mm512_srli_epi16(a, 4); }
+  static I shr2(I a) { return _mm512_srli_epi16(a, 2); }
+  static I shl2(I a) { return _mm512_slli_epi16(a, 2); }
+  static I shl4(I a) { return _mm512_slli_epi16(a, 4); }
   static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
   static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
@@ -109,7 +120,16 @@ struct Isa {
   static I dwords(int32_t v) { return _mm256_set1_epi32(v); }
   static I band(I a, I b) { return _mm256_and_si256(a, b); }
   static I bxor(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I bor(I a, I b) { return _mm256_or_si256(a, b); }
+  // Each byte's low nibble from a, its high one from b.
+  static I low_high(I a, I b) {
+    const I low = _mm256_set1_epi8(0x0F);
+    return _mm256_or_si256(_mm256_and_si256(low, a), _mm256_andnot_si256(low, b));
+  }
   static I shr4(I a) { return _mm256_srli_epi16(a, 4); }
+  static I shr2(I a) { return _mm256_srli_epi16(a, 2); }
+  static I shl2(I a) { return _mm256_slli_epi16(a, 2); }
+  static I shl4(I a) { return _mm256_slli_epi16(a, 4); }
   static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
   static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
@@ -165,6 +185,7 @@ struct QuantizedRows {
   std::vector<float> scales;  // [M, G]
   std::vector<float> sums;    // [M, G]: scale * sum(q), the group's sum as the codes say it
   std::vector<int32_t> code_sums;  // [M, G]: sum(q)
+  std::vector<int32_t> half_sums;  // [M, 2G]: sum(q) over each half of a group (int6's blocks)
 };
 
 constexpr int kGroupVectors = kGroup / Isa::kRows;  // float vectors per group: 2 (AVX-512) or 4
@@ -173,10 +194,11 @@ constexpr float kTiny = 1e-30f;
 inline typename Isa::F load_floats(const float* p) { return Isa::floats(p); }
 inline typename Isa::F load_floats(const at::BFloat16* p) { return Isa::widen_bf16(p); }
 
-// One group of kGroup values: its codes (int32 lanes), scale and code sum. The products and the
-// rounding (to nearest even, the MXCSR default) are the scalar ones', lane by lane.
+// One group of kGroup values: its codes (int32 lanes), scale and the code sums of its two halves.
+// The products and the rounding (to nearest even, the MXCSR default) are the scalar ones', lane
+// by lane.
 template <typename scalar_t>
-inline float quantize_group(const scalar_t* in, typename Isa::I* codes, int32_t* total) {
+inline float quantize_group(const scalar_t* in, typename Isa::I* codes, int32_t* halves) {
   typename Isa::F values[kGroupVectors];
   typename Isa::F amax = Isa::fzero();
   for (int v = 0; v < kGroupVectors; ++v) {
@@ -186,12 +208,13 @@ inline float quantize_group(const scalar_t* in, typename Isa::I* codes, int32_t*
   const float group_max = Isa::reduce_max(amax);
   // A group below kTiny rounds to zeros: 127 / max would overflow to inf near float's smallest values.
   const typename Isa::F inverse = Isa::splat(group_max > kTiny ? 127.0f / group_max : 0.0f);
-  typename Isa::I sum = Isa::zero();
+  typename Isa::I sums[2] = {Isa::zero(), Isa::zero()};
   for (int v = 0; v < kGroupVectors; ++v) {
     codes[v] = Isa::round(Isa::mul(values[v], inverse));  // |code| <= 127: no clamp needed
-    sum = Isa::add32(sum, codes[v]);
+    sums[2 * v / kGroupVectors] = Isa::add32(sums[2 * v / kGroupVectors], codes[v]);
   }
-  *total = Isa::reduce_add(sum);
+  halves[0] = Isa::reduce_add(sums[0]);
+  halves[1] = Isa::reduce_add(sums[1]);
   return group_max / 127.0f;
 }
 
@@ -199,12 +222,14 @@ template <typename scalar_t>
 QuantizedRows quantize_rows(const scalar_t* x, int64_t rows, int64_t dim) {
   const int64_t groups = dim / kGroup;
   QuantizedRows out{std::vector<int8_t>(rows * dim), std::vector<float>(rows * groups),
-                    std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups)};
+                    std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups),
+                    std::vector<int32_t>(rows * groups * 2)};
   at::parallel_for(0, rows * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // rows are contiguous: group i of the whole [M, K]
       typename Isa::I codes[kGroupVectors];
-      int32_t total;
-      const float scale = quantize_group(x + i * kGroup, codes, &total);
+      int32_t* halves = out.half_sums.data() + 2 * i;
+      const float scale = quantize_group(x + i * kGroup, codes, halves);
+      const int32_t total = halves[0] + halves[1];
       for (int v = 0; v < kGroupVectors; ++v) Isa::store_bytes(out.codes.data() + i * kGroup + v * Isa::kRows, codes[v]);
       out.scales[i] = scale;
       out.code_sums[i] = total;
@@ -324,6 +349,59 @@ void int8_tile(const int8_t* codes, const uint16_t* scales, const QuantizedRows&
   }
 }
 
+// One int6 tile (16 output rows) times token rows [m0, m0 + MB): out[r][16] in float. Each block
+// of 16 inputs has its own weight scale, so each is summed apart and scaled before the next.
+template <int MB>
+void int6_tile(const uint8_t* codes, const uint16_t* scales, const QuantizedRows& a, int64_t dim, int64_t m0,
+               float* out) {
+  const int64_t blocks = dim / (kGroup / 2), groups = dim / kGroup;
+  const typename Isa::I pairs = Isa::bytes(0x33);  // bits of the first and third codes' top pairs
+  for (int part = 0; part < kParts; ++part) {
+    typename Isa::F result[MB];
+    for (int r = 0; r < MB; ++r) result[r] = Isa::fzero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* at = codes + b * 192 + part * kPartBytes;
+      for (int column = 0; column < 3; ++column)
+        _mm_prefetch(reinterpret_cast<const char*>(at + column * 64 + kPrefetch), _MM_HINT_T0);
+      const typename Isa::I first = Isa::load(at), second = Isa::load(at + 64), highs = Isa::load(at + 128);
+      // Codes of inputs 16b + 4c + j, c = 0..3: low nibbles from the first two columns, top bits
+      // from the third, split into its even and odd pairs so that each shift leaves the bits above
+      // a code's 6 clear (the 16-bit shifts carry bits between bytes only where a nibble is taken
+      // from the other operand).
+      const typename Isa::I even = Isa::band(highs, pairs), odd = Isa::band(highs, Isa::bxor(pairs, Isa::bytes(0xFF)));
+      const typename Isa::I c[4] = {
+          Isa::low_high(first, Isa::shl4(even)),
+          Isa::low_high(Isa::shr4(first), Isa::shl2(odd)),
+          Isa::low_high(second, even),
+          Isa::low_high(Isa::shr4(second), Isa::shr2(odd)),
+      };
+      typename Isa::I acc[kChains<MB>][MB];
+      for (int k = 0; k < kChains<MB>; ++k)
+        for (int r = 0; r < MB; ++r) acc[k][r] = Isa::zero();
+      for (int r = 0; r < MB; ++r) {
+        const int8_t* q = a.codes.data() + (m0 + r) * dim + b * (kGroup / 2);
+        for (int k = 0; k < 4; ++k) {
+          const typename Isa::I qk = Isa::dwords(four_codes(q + 4 * k));
+          if constexpr (Isa::kVnni) {
+            acc[k % kChains<MB>][r] = Isa::dpbusd(acc[k % kChains<MB>][r], c[k], qk);
+          } else {  // pairs of 63 * 127 fit 16 bits; their sums need not: widen each
+            acc[k % kChains<MB>][r] = Isa::add32(acc[k % kChains<MB>][r], Isa::madd16(Isa::maddubs(c[k], qk), Isa::words(1)));
+          }
+        }
+      }
+      const typename Isa::F scale = Isa::halves(scales + b * kTile + part * Isa::kRows);
+      for (int r = 0; r < MB; ++r) {
+        typename Isa::I sum = acc[0][r];
+        for (int k = 1; k < kChains<MB>; ++k) sum = Isa::add32(sum, acc[k][r]);
+        // codes are stored as code + 32: 32 * sum(q) over the block taken off
+        const typename Isa::I dot = Isa::sub32(sum, Isa::dwords(32 * a.half_sums[(m0 + r) * 2 * groups + b]));
+        result[r] = Isa::fma(Isa::to_float(dot), Isa::mul(scale, Isa::splat(a.scales[(m0 + r) * groups + b / 2])), result[r]);
+      }
+    }
+    for (int r = 0; r < MB; ++r) Isa::store(out + r * kTile + part * Isa::kRows, result[r]);
+  }
+}
+
 template <typename Tile>
 void dispatch_rows(int rows, Tile&& tile) {
   switch (rows) {
@@ -421,6 +499,29 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return out;
 }
 
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 192 && codes.is_contiguous(),
+              "int6_linear: codes [N/16, K/16, 192] uint8");
+  const int64_t tiles = codes.size(0), dim = codes.size(1) * 16, outputs = tiles * kTile;
+  check_rows(x, dim);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == outputs * (dim / 16),
+              "int6_linear: scales [N/16, K/16, 16] float16");
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, outputs}, x.options());
+  if (rows == 0) return out;
+  const auto* w = codes.data_ptr<uint8_t>();
+  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const int64_t tile_bytes = dim / 16 * 192, tile_blocks = dim / 16 * kTile;
+  by_dtype(x, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, dim);
+    run_tiles(rows, outputs, out.data_ptr<scalar_t>(), [&](int64_t t, int64_t m0, auto mb, float* block) {
+      int6_tile<decltype(mb)::value>(w + t * tile_bytes, s + t * tile_blocks, a, dim, m0, block);
+    });
+  });
+  return out;
+}
+
 // x with each group of kGroup inputs rounded as the kernels round a token row (q * scale, in
 // float32, then to x's dtype): a quantized layer's dense product on these rows computes what
 // its weight-only kernel does, up to the order of the sums.
@@ -438,8 +539,8 @@ at::Tensor int8_round(const at::Tensor& x) {
       float values[kGroup];
       for (int64_t i = begin; i < end; ++i) {
         typename Isa::I codes[kGroupVectors];
-        int32_t total;
-        const typename Isa::F scale = Isa::splat(quantize_group(in + i * kGroup, codes, &total));
+        int32_t halves[2];
+        const typename Isa::F scale = Isa::splat(quantize_group(in + i * kGroup, codes, halves));
         for (int v = 0; v < kGroupVectors; ++v) Isa::store(values + v * Isa::kRows, Isa::mul(Isa::to_float(codes[v]), scale));
         store_rounded(dest + i * kGroup, values, kGroup);
       }
@@ -454,11 +555,13 @@ TORCH_LIBRARY_FRAGMENT(specd, m) {
   m.def("int8_round(Tensor x) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("int6_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specd, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);
+  m.impl("int6_linear", &int6_linear);
   m.impl("int8_round", &int8_round);
 }
 

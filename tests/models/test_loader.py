@@ -256,7 +256,7 @@ def test_an_allocation_failure_keeps_the_cache(fake_gguf, monkeypatch, failure):
     assert (entry / "specd-cache.json").is_file()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int6", "int4"])
 def test_a_quantized_conversion_is_cached_packed_and_serves_the_same_model(fake_gguf, tiny_dirs, fmt):
     if not quantized.kernels_available() and not cpu_kernels.load(fake_gguf["cfg"].cache_dir):
         pytest.skip("specd's int4/int8 kernels are not built here")

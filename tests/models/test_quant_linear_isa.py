@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from models import cpu_kernels
-from models.quantized import INT4, INT8, kernels_available, quantize
+from models.quantized import INT4, INT6, INT8, kernels_available, quantize
 
 # -march value -> the /proc/cpuinfo flags the build needs to run here
 VARIANTS = {
@@ -27,7 +27,8 @@ VARIANTS = {
     "alderlake": {"avx2", "avx_vnni"},  # AVX-VNNI: 256-bit vpdpbusd
 }
 
-CASES = [(INT4, 100, 256, 1), (INT4, 96, 128, 11), (INT8, 100, 256, 2), (INT8, 48, 64, 9)]  # rows: every chain count
+CASES = [(INT4, 100, 256, 1), (INT4, 96, 128, 11), (INT8, 100, 256, 2), (INT8, 48, 64, 9), (INT6, 100, 256, 1),
+         (INT6, 48, 64, 3), (INT6, 96, 128, 10)]  # fmt: skip  # rows: every chain count
 
 BUILD = textwrap.dedent(
     """
@@ -39,10 +40,7 @@ BUILD = textwrap.dedent(
                        build_directory=build, is_python_module=False)
     results = []
     for fmt, copy, x in torch.load(cases):
-        if fmt == "int4":
-            results.append(torch.ops.specd.int4_linear(x, *copy))
-        else:
-            results.append(torch.ops.specd.int8_linear(x, *copy))
+        results.append(getattr(torch.ops.specd, fmt + "_linear")(x, *copy))
     results.append(torch.ops.specd.int8_round(x))
     torch.save(results, out)
     """
@@ -72,10 +70,7 @@ def test_a_build_for_another_instruction_set_gives_the_same_bits(built_kernels, 
         check=True, timeout=300, capture_output=True,
     )  # fmt: skip
     theirs = torch.load(tmp_path / "out.pt")
-    ours = [
-        torch.ops.specd.int4_linear(x, *copy) if fmt == INT4 else torch.ops.specd.int8_linear(x, *copy)
-        for fmt, copy, x in cases
-    ]
+    ours = [getattr(torch.ops.specd, f"{fmt}_linear")(x, *copy) for fmt, copy, x in cases]
     ours.append(torch.ops.specd.int8_round(cases[-1][2]))
     for mine, other in zip(ours, theirs, strict=True):
         assert torch.equal(mine, other)

@@ -11,10 +11,13 @@ from torch import nn
 from models import linear_kernels
 from models.linear_kernels import CHUNKED, QUANTIZED, RUNGS, STANDARD_LAYOUT, TRANSPOSED, TunedLinear, linear, tune
 from models.quantized import (
+    BLOCK,
     GROUP,
     INT4,
+    INT6,
     INT8,
     Int4Weight,
+    Int6Weight,
     Int8Weight,
     StackedWeight,
     concatenate,
@@ -24,6 +27,7 @@ from models.quantized import (
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
+FORMATS = [INT8, INT6, INT4]
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +47,7 @@ def rows_as_the_kernel_rounds_them(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", [INT8, INT4])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 17])
 @pytest.mark.parametrize("shape", [(96, 128), (100, 64)])  # 100: a padded last tile
 def test_the_weight_only_kernel_computes_the_dense_values_product_on_int8_rows(fmt, dtype, rows, shape):
@@ -65,7 +69,7 @@ def test_the_weight_only_kernel_computes_the_dense_values_product_on_int8_rows(f
     assert torch.equal(round_rows(x), rows_as_the_kernel_rounds_them(x).to(dtype))
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_a_row_gets_the_same_bits_alone_or_among_others(fmt):
     torch.manual_seed(3)
     copy = quantize(torch.randn(64, 256), fmt)
@@ -86,15 +90,19 @@ def test_rows_of_zeros_and_weights_of_one_value_are_exact():
     assert torch.equal(copy.matmul(x), torch.tensor([[0.0] * 32, [0.5] * 32, [0.0] * 32]))
 
 
-@pytest.mark.parametrize("fmt,bound", [(INT8, 1 / 254), (INT4, 1 / 30)])
+@pytest.mark.parametrize("fmt,bound", [(INT8, 1 / 254), (INT6, 1 / 62), (INT4, 1 / 30)])
 def test_the_codes_stay_within_half_a_step_of_the_weight(fmt, bound):
-    """Symmetric int8 per group: half of max|w| / 127; asymmetric int4 per group: half of range / 15."""
+    """Symmetric int8 per group: half of max|w| / 127; symmetric int6 per block: half of max|w| / 31;
+    asymmetric int4 per group: half of range / 15."""
     torch.manual_seed(1)
     weight = torch.randn(64, 256)
     dense = quantize(weight, fmt).dense(torch.float32)
     groups = weight.view(64, -1, GROUP)
     if fmt == INT8:  # plus float16's rounding of the scale (2^-11 of it, 127 steps)
         scale = groups.abs().amax(-1).repeat_interleave(GROUP, dim=1) * (1 + 127 * 2 * 2**-11)
+    elif fmt == INT6:  # plus float16's rounding of the scale (2^-11 of it, 31 steps)
+        blocks = weight.view(64, -1, BLOCK)
+        scale = blocks.abs().amax(-1).repeat_interleave(BLOCK, dim=1) * (1 + 31 * 2 * 2**-11)
     else:  # plus float16's rounding of the group's scale and minimum (2^-11 of each, 15 steps)
         scale = (groups.amax(-1) - groups.amin(-1)).repeat_interleave(GROUP, dim=1) * (1 + 15 * 2 * 2**-11)
         scale = scale + (groups.amin(-1).abs() * 30 * 2**-11).repeat_interleave(GROUP, dim=1)
@@ -102,16 +110,16 @@ def test_the_codes_stay_within_half_a_step_of_the_weight(fmt, bound):
 
 
 def test_inputs_in_whole_groups_or_the_layer_stays_dense():
-    assert quantize(torch.randn(32, 48), INT4) is None  # 48 inputs: not whole groups of 32
-    assert quantize(torch.randn(32, 48), INT8) is None
     huge = torch.randn(32, 64)
     huge[0, 0] = 1e6  # beyond what float16 scales hold
-    assert quantize(huge, INT4) is None and quantize(huge, INT8) is None
+    for fmt in FORMATS:
+        assert quantize(torch.randn(32, 48), fmt) is None  # 48 inputs: not whole groups of 32
+        assert quantize(huge, fmt) is None
     with pytest.raises(ValueError, match="unknown weight format"):
         quantize(torch.randn(4, 32), "int3")
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_copies_of_one_format_stack_into_one_exact_product(fmt):
     torch.manual_seed(2)
     parts = [quantize(torch.randn(n, 128), fmt) for n in (128, 64, 40)]
@@ -124,21 +132,21 @@ def test_copies_of_one_format_stack_into_one_exact_product(fmt):
 
 
 def test_copies_in_different_formats_run_one_call_each():
-    parts = [quantize(torch.randn(64, 128), fmt) for fmt in (INT4, INT4, INT8)]
+    parts = [quantize(torch.randn(64, 128), fmt) for fmt in (INT4, INT4, INT6)]
     stacked = concatenate(parts)
-    assert isinstance(stacked, StackedWeight) and stacked.fmt == "int4+int8" and stacked.out_features == 192
+    assert isinstance(stacked, StackedWeight) and stacked.fmt == "int4+int6" and stacked.out_features == 192
     x = torch.randn(3, 128)
     assert torch.equal(stacked.matmul(x), torch.cat([p.matmul(x) for p in parts], dim=-1))
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4])
-def test_the_head_of_a_copy_is_its_first_rows(fmt):
+@pytest.mark.parametrize("fmt,kind", [(INT8, Int8Weight), (INT6, Int6Weight), (INT4, Int4Weight)])
+def test_the_head_of_a_copy_is_its_first_rows(fmt, kind):
     copy = quantize(torch.randn(320, 128), fmt)
     head = copy.head(100)
     assert head.out_features == 112  # whole tiles of 16 rows
     x = torch.randn(2, 128)
     assert torch.equal(head.matmul(x), copy.matmul(x)[:, : head.out_features])
-    assert isinstance(head, Int4Weight if fmt == INT4 else Int8Weight)
+    assert isinstance(head, kind)
 
 
 def quantized_layer(fmt: str, n: int = 64, k: int = 128) -> TunedLinear:
@@ -173,7 +181,7 @@ def test_the_tuner_offers_the_weight_only_kernel_at_small_steps_and_times_them_c
     assert not dense.uses(QUANTIZED)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_a_quantized_layer_computes_the_same_product_in_every_layout(fmt):
     layer = quantized_layer(fmt)
     x = torch.randn(2, 3, 128)
@@ -205,3 +213,26 @@ def test_int4_keeps_weights_that_sit_on_a_grid_of_16_levels_or_fewer():
     on_fifteen = quantize(levels.repeat(16, 1), INT4).dense(torch.float32)
     assert (on_fifteen - levels).abs().max() <= 3 / 30 + 1e-3
     assert (on_fifteen - levels).abs().max() > 3 / 15 / 8  # values between its 16 levels moved
+
+
+def test_int6_keeps_q6_k_and_q5_0_weights_on_their_own_grid():
+    """Q6_K: w = d * sc * q per block of 16 (sc an int8 under a float16 d per 256, q in -32..31);
+    Q5_0: w = d * q per 32 (q in -16..15). Each block's values sit on a grid int6's codes and one
+    float16 scale hold: only that scale's rounding moves them (2^-11 of a value at most)."""
+    torch.manual_seed(5)
+    n, k = 32, 512
+    d = (torch.rand(n, k // 256, 1, 1) * 0.01 + 0.002).half().float()
+    sc = torch.randint(-128, 128, (n, k // 256, 16, 1)).float()
+    sc[sc == 0] = 1
+    q6 = torch.randint(-32, 32, (n, k // 256, 16, 16)).float()
+    q6[..., 0, :2] = torch.tensor([-32.0, 31.0])  # the full range in some blocks, a narrower one in most
+    q6_k = (d * sc * q6).view(n, k)
+    q5 = torch.randint(-16, 16, (n, k // 32, 32)).float()
+    q5_0 = ((torch.rand(n, k // 32, 1) * 0.01 + 0.002).half().float() * q5).view(n, k)
+    for weight in (q6_k, q5_0):
+        dense = quantize(weight, INT6).dense(torch.float32)
+        assert ((dense - weight).abs() <= weight.abs() * 2**-11 + 1e-9).all()
+    on_31 = quantize(torch.randn(16, 64), INT6).dense(torch.float32)  # float weights: 31 steps from 0 to the peak
+    blocks = on_31.view(16, -1, BLOCK)
+    steps = blocks / (blocks.abs().amax(-1, keepdim=True) / 31)
+    assert (steps - steps.round()).abs().max() < 0.02

@@ -11,8 +11,17 @@ from torch import nn
 from models.forward import lean_forward
 from models.linear_kernels import QUANTIZED, KernelTable, TunedLinear, linear_layers
 from models.loader import ModelConfig, default_gguf_path, load_model
-from models.quantized import INT4, INT8, Int4Weight, Int8Weight, footprint
-from models.weights import OUTPUT, WEIGHTS, draft_formats, gguf_plan, packing_name, plan_for, uniform_plan
+from models.quantized import INT4, INT6, INT8, Int4Weight, Int6Weight, Int8Weight, footprint
+from models.weights import (
+    OUTPUT,
+    WEIGHTS,
+    draft_formats,
+    gguf_format,
+    gguf_plan,
+    packing_name,
+    plan_for,
+    uniform_plan,
+)
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Request, SamplingParams
@@ -27,7 +36,7 @@ def load(model_dir, weights: str, **kwargs):
     return load_model(ModelConfig(str(model_dir), dtype="float32", device="cpu", weights=weights, **kwargs))
 
 
-@pytest.mark.parametrize("fmt,kind", [("int8", Int8Weight), ("int4", Int4Weight)])
+@pytest.mark.parametrize("fmt,kind", [("int8", Int8Weight), ("int6", Int6Weight), ("int4", Int4Weight)])
 def test_a_format_quantizes_every_decoder_product_and_the_output_projection_in_int8(tiny_llama_dir, fmt, kind):
     loaded = load(tiny_llama_dir, fmt, tune_kernels=False)
     model, lean = loaded.model, lean_forward(loaded.model)
@@ -50,7 +59,7 @@ def test_bf16_and_auto_on_a_float_checkpoint_keep_every_weight_dense(tiny_llama_
         assert all(type(m) is nn.Linear for m in linear_layers(model))
     with pytest.raises(ValueError, match="weights must be one of"):
         ModelConfig(weights="int2")
-    assert WEIGHTS == ("auto", "bf16", "int8", "int4")
+    assert WEIGHTS == ("auto", "bf16", "int8", "int6", "int4")
 
 
 def test_auto_on_a_gguf_keeps_each_quantized_tensor_in_its_nearest_format():
@@ -58,6 +67,15 @@ def test_auto_on_a_gguf_keeps_each_quantized_tensor_in_its_nearest_format():
     assert plan and set(plan.values()) == {INT4} and OUTPUT not in plan
     assert all(name.startswith("model.layers.") for name in plan)
     assert "model.layers.0.self_attn.q_proj" in plan and "model.layers.29.mlp.down_proj" in plan
+
+
+def test_each_gguf_type_is_kept_in_the_format_that_holds_its_values():
+    assert [gguf_format(kind) for kind in ("Q4_K", "Q4_0", "Q3_K", "IQ4_XS")] == [INT4] * 4
+    assert gguf_format("Q6_K") == gguf_format("Q5_0") == INT6  # codes times a scale
+    assert gguf_format("Q5_1") == gguf_format("Q5_K") == gguf_format("Q8_0") == INT8  # a minimum, or 8 bits
+    assert gguf_format("F16") is None and gguf_format("F32") is None and gguf_format("BF16") is None
+    # the output projection: 6 bits or more as the file has it, a 4-bit one in int8
+    assert gguf_format("Q6_K", output=True) == INT6 and gguf_format("Q4_K", output=True) == INT8
 
 
 def test_the_plan_for_each_choice(tiny_llama_dir):
@@ -93,7 +111,7 @@ def test_a_draft_model_loads_in_its_own_format(tiny_llama_dir, tiny_draft_dir):
     assert not any(getattr(m, "quantized_weight", None) for m in target.model.modules())
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int6", "int4"])
 def test_every_step_size_serves_one_model(tiny_llama_dir, fmt):
     """One token through the weight-only kernels, the same tokens in one dense forward: the
     quantized model either way (rounding apart)."""
@@ -113,10 +131,11 @@ def test_every_step_size_serves_one_model(tiny_llama_dir, fmt):
         float_logits = reference(input_ids=ids).logits[0, -1]
     assert (dense - float_logits).abs().max() > 0  # the served model is the quantized one
     # close to the float model all the same (random weights: no structure for 4 bits to keep)
-    assert torch.nn.functional.cosine_similarity(dense, float_logits, dim=0) > (0.999 if fmt == "int8" else 0.95)
+    bound = {"int8": 0.999, "int6": 0.99, "int4": 0.95}[fmt]
+    assert torch.nn.functional.cosine_similarity(dense, float_logits, dim=0) > bound
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int6", "int4"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_is_lossless_with_respect_to_the_quantized_model(tiny_llama_dir, tiny_draft_dir, fmt, method):
     # Untimed: decode steps of 1-4 rows run the weight-only kernels, verify steps the dense product.
