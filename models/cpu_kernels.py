@@ -6,7 +6,7 @@ directory, registered as `torch.ops.specd.*`:
 - `layer_ops.cpp`: a decoder layer's small operations fused (`models.layer_ops`);
 - `token_mask.cpp`: grammar bitmasks applied to logits in place (`models.grammar`);
 - `row_linear.cpp`: a dense linear layer that computes each token row alone (`models.linear_kernels`);
-- `quant_linear.cpp`: int4 and int8 weight-only linear layers (`models.quantized`), on x86 with
+- `quant_linear.cpp`: int4, int6 and int8 weight-only linear layers (`models.quantized`), on x86 with
   AVX2 (elsewhere they are not registered, and quantized layers run their dense values).
 
 Built with `-march=native`, so the SIMD width (`csrc/simd.h`) is the machine's own: AVX-512 or
@@ -39,7 +39,7 @@ SOURCES = [
 ]
 HEADERS = [CSRC / "simd.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's own libgomp
-# Registered wherever the library builds (the int4/int8 ops: on x86 only, so not listed).
+# Registered wherever the library builds (the int4/int6/int8 ops: on x86 only, so not listed).
 OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_mul", "rotary_kv", "apply_token_bitmask", "row_linear")
 
 STALE_LOCK_S = 600  # a first build takes ~15 s on 2 cores

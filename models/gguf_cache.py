@@ -65,7 +65,7 @@ class GGUFCache:
         layers = None
         if self.weights is not None:
             plan = weights.plan_for(self.weights, model, self.source, torch.device("cpu"), self.output)
-            layers = weights.quantize_layers(model, plan)
+            layers = weights.quantize_layers(model, plan, self.source)
         _save_converted(model, tokenizer, out, layers)
 
     @property

@@ -36,16 +36,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
-INT8, INT6, INT4 = "int8", "int6", "int4"
+INT8, INT6, INT4, INT4K = "int8", "int6", "int4", "int4k"
 GROUP = 32  # inputs per int4 (scale, minimum) group, and per activation scale in the kernels
 BLOCK = 16  # inputs per int6 scale
 TILE = 16  # output rows per tile of the kernels' layout
 # of the codes, scales and minimums as stored, and of which format `auto` gives a GGUF type: a
-# change rebuilds packed caches (3: int6 for 5- and 6-bit types)
-LAYOUT_VERSION = 3
+# change rebuilds packed caches (3: int6 for Q6_K and Q5_0; 4: int4k for Q4_K)
+LAYOUT_VERSION = 4
 
 
 class QuantizedWeight:
@@ -210,18 +211,80 @@ class Int4Weight(TiledWeight):
         scales = ((high - low) / _grid_steps(w, low, high)).to(torch.float16)
         mins = low.to(torch.float16)
         codes = _codes(w - mins.float()[..., None], scales.float()[..., None], 0, 15)
-        nibbles = codes.to(torch.uint8).view(-1, TILE, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # tile, octet, row, j, half
-        packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(-1, k // 8, 64).contiguous()
-        return cls((packed, _tile_major(scales), _tile_major(mins)), n)
+        return cls((_pack_nibbles(codes.to(torch.uint8).view(-1, k)), _tile_major(scales), _tile_major(mins)), n)
 
     def values(self) -> torch.Tensor:
         packed, scales, mins = self.tensors
-        k = self.in_features
-        nibbles = torch.stack([packed & 15, packed >> 4], dim=-1).view(
-            -1, k // 8, TILE, 4, 2
-        )  # tile, octet, row, j, half
-        codes = nibbles.permute(0, 2, 1, 4, 3).reshape(-1, TILE, k // GROUP, GROUP)
-        return codes.float() * self._group_values(scales) + self._group_values(mins)
+        return _unpack_nibbles(packed) * self._group_values(scales) + self._group_values(mins)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (whole tiles of rows) -> int4's layout [N/16, K/8, 64]."""
+    k = codes.shape[1]
+    nibbles = codes.view(-1, TILE, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # tile, octet, row, j, half
+    return (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(-1, k // 8, 64).contiguous()
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int4's layout [N/16, K/8, 64] -> the codes in float32, [N/16, 16 rows, K/32 groups, 32]."""
+    k = packed.shape[1] * 8
+    nibbles = torch.stack([packed & 15, packed >> 4], dim=-1).view(-1, k // 8, TILE, 4, 2)  # tile, octet, row, j, half
+    return nibbles.permute(0, 2, 1, 4, 3).reshape(-1, TILE, k // GROUP, GROUP).float()
+
+
+SUPER = 256  # inputs per Q4_K super-block
+Q4_K_BLOCK_BYTES = 144  # d, dmin (float16), 12 bytes of 6-bit scales and minimums, 128 of codes
+
+
+class Int4KWeight(TiledWeight):
+    """GGUF's Q4_K as it is in the file, in int4's tiles: codes as int4's; scales, mins
+    [N/16, K/256, 16] float16 per super-block (Q4_K's d and -dmin); steps, offsets [N/16, K/32,
+    16] uint8 per group of 32 (its 6-bit sc and m): w = code * (scale * step) + min * offset,
+    multiplied out in float32 as GGUF's readers do, so the values are the file's to the bit.
+    4.625 bits a weight, against int4's 5 (a float16 scale and minimum per 32) and Q4_K's 4.5
+    (its scales packed in 6 bits). Read from the file's blocks (`from_q4_k`): the float values
+    alone do not say which scales made them."""
+
+    fmt, kernel, inputs_per_column = INT4K, "int4k_linear", 8
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int4KWeight:
+        raise ValueError("int4k is read from a GGUF's Q4_K blocks (Int4KWeight.from_q4_k), not from float weights")
+
+    @classmethod
+    def from_q4_k(cls, blocks: np.ndarray, out_features: int, in_features: int) -> Int4KWeight:
+        """The weight [out_features, in_features] from its Q4_K blocks (the file's bytes, one row
+        of in_features / 256 blocks per output)."""
+        from gguf.quants import Q4_K  # transformers' own GGUF reader dependency
+
+        k, supers = in_features, in_features // SUPER
+        raw = torch.from_numpy(np.array(blocks, dtype=np.uint8))  # a copy: the reader's memmap is read-only
+        raw = raw.view(out_features, supers, Q4_K_BLOCK_BYTES)
+        raw = _tiles(raw.view(out_features, -1)).view(-1, supers, Q4_K_BLOCK_BYTES)  # zero rows: d = 0
+        halves = raw[..., :4].contiguous().view(torch.float16)  # [N, supers, 2]: d, dmin
+        steps, offsets = (
+            torch.from_numpy(part).view(-1, supers * 8)
+            for part in Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12).numpy())
+        )
+        # codes: per 64 inputs, 32 bytes whose low nibbles are the first 32 and high nibbles the next
+        quads = raw[..., 16:].reshape(-1, supers, 4, 1, 32)
+        codes = torch.cat([quads & 15, quads >> 4], dim=3).reshape(-1, k)
+        tensors = (_pack_nibbles(codes), _tile_major(halves[..., 0].contiguous()), _tile_major(-halves[..., 1]),
+                   _tile_major(steps.contiguous()), _tile_major(offsets.contiguous()))  # fmt: skip
+        return cls(tensors, out_features)
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        return weight.shape[1] % SUPER == 0
+
+    def values(self) -> torch.Tensor:
+        packed, scales, mins, steps, offsets = self.tensors
+        per_group = SUPER // GROUP
+
+        def group_values(per_super: torch.Tensor, per_group_bytes: torch.Tensor) -> torch.Tensor:
+            return self._group_values(per_super.float().repeat_interleave(per_group, dim=1) * per_group_bytes.float())
+
+        return _unpack_nibbles(packed) * group_values(scales, steps) + group_values(mins, offsets)
 
 
 def _symmetric_steps(w: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
@@ -277,7 +340,7 @@ class Int6Weight(TiledWeight):
         return rows.reshape(-1, TILE, k // GROUP, GROUP)
 
 
-FORMATS: dict[str, type[TiledWeight]] = {INT8: Int8Weight, INT6: Int6Weight, INT4: Int4Weight}
+FORMATS: dict[str, type[TiledWeight]] = {INT8: Int8Weight, INT6: Int6Weight, INT4: Int4Weight, INT4K: Int4KWeight}
 
 
 def restore(fmt: str, tensors: Sequence[torch.Tensor], out_features: int) -> QuantizedWeight:

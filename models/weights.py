@@ -7,8 +7,9 @@
   output at 6 bits for the same reason), unless it is the input embedding too. The embedding is
   a gather of a few rows, nothing to gain: it stays dense.
 - `auto`: a GGUF's quantized linear layers stay quantized, each in the format that holds its
-  values (4-bit and smaller types: int4; Q6_K and Q5_0, symmetric grids of 64 levels or fewer:
-  int6; Q5_1, Q5_K and 8-bit types: int8), the output projection in int8 where its type is 4-bit,
+  values (Q4_K: int4k, its own blocks in the kernels' tiles; other 4-bit and smaller types: int4;
+  Q6_K and Q5_0, symmetric grids of 64 levels or fewer: int6; Q5_1, Q5_K and 8-bit types: int8),
+  the output projection in int8 where its type is 4-bit,
   and the rest stays dense: float tensors, the embedding, and an output projection that is the
   embedding (a tied model's); a float checkpoint (a Hub id or a directory) stays as it is.
 
@@ -33,7 +34,20 @@ from safetensors.torch import save_file
 from torch import nn
 
 from models.linear_kernels import TunedLinear
-from models.quantized import INT4, INT6, INT8, QuantizedWeight, TiledWeight, kernels_available, quantize, restore
+from models.quantized import (
+    INT4,
+    INT4K,
+    INT6,
+    INT8,
+    Q4_K_BLOCK_BYTES,
+    SUPER,
+    Int4KWeight,
+    QuantizedWeight,
+    TiledWeight,
+    kernels_available,
+    quantize,
+    restore,
+)
 
 logger = logging.getLogger("specd.models")
 
@@ -66,24 +80,30 @@ def gguf_format(kind: str, output: bool = False) -> str | None:
     """The format `auto` keeps a GGUF tensor of type `kind` in (None: a float type, kept dense);
     an `output` projection of a 4-bit type in int8."""
     if kind in _GGUF_INT4:
-        return INT8 if output else INT4
+        return INT8 if output else INT4K if kind == "Q4_K" else INT4
     return INT6 if kind in _GGUF_INT6 else INT8 if kind in _GGUF_INT8 else None
+
+
+def _gguf_tensors(path: Path) -> dict[str, Any]:
+    """A GGUF's linear-layer tensors (gguf's `ReaderTensor`s, read lazily) by the plan's key:
+    the transformers module they load into, or OUTPUT."""
+    import gguf  # transformers' own GGUF reader dependency
+
+    found: dict[str, Any] = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        if tensor.name == "output.weight":
+            found[OUTPUT] = tensor
+        elif (match := _GGUF_LAYER.fullmatch(tensor.name)) and match[2] in _GGUF_MODULES:
+            found[f"model.layers.{match[1]}.{_GGUF_MODULES[match[2]]}"] = tensor
+    return found
 
 
 def gguf_plan(path: Path) -> Plan:
     """`auto` for a GGUF: each quantized tensor in the format that holds its values."""
-    import gguf  # transformers' own GGUF reader dependency
-
     plan: Plan = {}
-    for tensor in gguf.GGUFReader(path).tensors:
-        output = tensor.name == "output.weight"
-        fmt = gguf_format(tensor.tensor_type.name, output)
-        if fmt is None:
-            continue
-        if output:
-            plan[OUTPUT] = fmt
-        elif (match := _GGUF_LAYER.fullmatch(tensor.name)) and match[2] in _GGUF_MODULES:
-            plan[f"model.layers.{match[1]}.{_GGUF_MODULES[match[2]]}"] = fmt
+    for key, tensor in _gguf_tensors(path).items():
+        if (fmt := gguf_format(tensor.tensor_type.name, key == OUTPUT)) is not None:
+            plan[key] = fmt
     return plan
 
 
@@ -109,7 +129,7 @@ def quantizes(choice: str, from_gguf: bool, device: torch.device) -> bool:
         return False
     if not kernels_available():
         logger.warning(
-            "--weights %s: specd's int4/int8 kernels are not built here (they need x86 with AVX2 and a C++ "
+            "--weights %s: specd's weight-only kernels are not built here (they need x86 with AVX2 and a C++ "
             "compiler); serving dense weights",
             choice,
         )
@@ -148,23 +168,42 @@ def packing_name(choice: str, output: str | None) -> str:
 
 
 @torch.no_grad()
-def quantize_layers(model: Any, plan: Plan) -> dict[str, QuantizedWeight]:
+def quantize_layers(model: Any, plan: Plan, gguf_path: Path | None = None) -> dict[str, QuantizedWeight]:
     """Copies of `model`'s planned linear layers in their formats, from their weights as they are;
-    keyed by module name. A layer whose inputs are not in whole groups stays dense (absent), as
-    does an output projection that is the input embedding too."""
+    keyed by module name. An int4k layer is read from `gguf_path`'s Q4_K blocks, where its values
+    are the layer's (else it is requantized in int4). A layer whose inputs are not in whole groups
+    stays dense (absent), as does an output projection that is the input embedding too."""
     output = model.get_output_embeddings()
     tied = output.weight is model.get_input_embeddings().weight
     modules = dict(model.named_modules())
     output_name = next(name for name, module in modules.items() if module is output)
+    tensors = _gguf_tensors(gguf_path) if gguf_path is not None and INT4K in plan.values() else {}
     layers: dict[str, QuantizedWeight] = {}
-    for name, fmt in plan.items():
-        name = output_name if name == OUTPUT else name
+    for key, fmt in plan.items():
+        name = output_name if key == OUTPUT else key
         layer = modules.get(name)
         if not isinstance(layer, nn.Linear) or (layer is output and tied):
             continue
-        if (copy := quantize(layer.weight, fmt)) is not None:
+        copy: QuantizedWeight | None = _from_q4_k(tensors.get(key), layer.weight) if fmt == INT4K else None
+        if copy is None:
+            copy = quantize(layer.weight, INT4 if fmt == INT4K else fmt)
+        if copy is not None:
             layers[name] = copy
     return layers
+
+
+def _from_q4_k(tensor: Any, weight: torch.Tensor) -> Int4KWeight | None:
+    """`weight`'s Q4_K blocks as an int4k copy; None where the file's tensor is not its Q4_K
+    form (absent, another type or shape, or rows transformers reordered: a Llama GGUF's q and k)."""
+    if tensor is None or tensor.tensor_type.name != "Q4_K" or not Int4KWeight.fits(weight):
+        return None
+    n, k = weight.shape
+    blocks = n * k // SUPER * Q4_K_BLOCK_BYTES
+    copy = Int4KWeight.from_q4_k(tensor.data, n, k) if tensor.data.size == blocks else None
+    if copy is None or not torch.equal(copy.dense(torch.float32), weight.float()):
+        logger.debug("%s: its Q4_K blocks do not hold its values; requantized in int4", tensor.name)
+        return None
+    return copy
 
 
 def attach(model: Any, layers: dict[str, QuantizedWeight]) -> None:

@@ -1,6 +1,7 @@
 // Weight-only quantized linear layers on CPU: y = x @ W^T with W in int4 (groups of 32 inputs,
-// a float16 scale and minimum each), int6 (groups of 16 inputs, a float16 scale each) or int8
-// (groups of 32 inputs, a float16 scale each), read once from memory for every row of the step.
+// a float16 scale and minimum each, or GGUF's Q4_K super-blocks: int4k), int6 (groups of 16
+// inputs, a float16 scale each) or int8 (groups of 32 inputs, a float16 scale each), read once
+// from memory for every row of the step.
 //
 // A decode or verify step is a read of every weight, so the kernel is built around the bytes:
 // each weight is loaded once per tile of 16 output rows and multiplied into up to 8 token rows
@@ -18,6 +19,9 @@
 //   int4 codes [N/16, K/8, 64] uint8: for tile t and input octet o, byte 4r+j holds row 16t+r's
 //     code of input 8o+j in its low nibble and of input 8o+4+j in its high nibble, codes 0..15;
 //     scales, mins [N/16, K/32, 16] float16: w = code * scale + min.
+//   int4k codes as int4's; scales, mins [N/16, K/256, 16] float16 and steps, offsets [N/16, K/32,
+//     16] uint8, GGUF's Q4_K: w = code * (scale * step) + min * offset, per super-block of 256
+//     inputs and group of 32 (`mins` holds Q4_K's dmin negated).
 //   int8 codes [N/16, K/4, 64] int8: for tile t and input quad q, byte 4r+j is row 16t+r's code
 //     of input 4q+j, in -127..127; scales [N/16, K/32, 16] float16: w = code * scale.
 //   int6 codes [N/16, K/16, 192] uint8: for tile t and block b of 16 inputs, three 64-byte
@@ -101,6 +105,9 @@ struct Isa {
   static int32_t reduce_add(I a) { return _mm512_reduce_add_epi32(a); }
   static void store_bytes(int8_t* p, I a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a)); }
   static F halves(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F unsigned_bytes(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
   static F floats(const float* p) { return _mm512_loadu_ps(p); }
   static F splat(float v) { return _mm512_set1_ps(v); }
   static F fzero() { return _mm512_setzero_ps(); }
@@ -170,6 +177,9 @@ struct Isa {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));
   }
   static F halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F unsigned_bytes(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static F floats(const float* p) { return _mm256_loadu_ps(p); }
   static F splat(float v) { return _mm256_set1_ps(v); }
   static F fzero() { return _mm256_setzero_ps(); }
@@ -259,10 +269,39 @@ int32_t four_codes(const int8_t* p) {
   return v;
 }
 
+// An int4 tile's scale and minimum per group of kGroup inputs, for 16 rows (`part` picks the
+// vector): float16 each (int4), or as Q4_K has them (int4k): 8-bit multiples of a float16 scale
+// and minimum per super-block of kSuper inputs, multiplied out in float32 as GGUF's readers do.
+struct GroupScales {
+  const uint16_t* scales;
+  const uint16_t* mins;
+  typename Isa::F scale(int64_t g, int part) const { return Isa::halves(scales + g * kTile + part * Isa::kRows); }
+  typename Isa::F minimum(int64_t g, int part) const { return Isa::halves(mins + g * kTile + part * Isa::kRows); }
+};
+
+constexpr int64_t kSuper = 256;  // inputs per Q4_K super-block
+
+struct SuperBlockScales {
+  const uint16_t* scales;  // [K/256, 16] float16
+  const uint16_t* mins;    // [K/256, 16] float16 (Q4_K's dmin, negated)
+  const uint8_t* steps;    // [K/32, 16]
+  const uint8_t* offsets;  // [K/32, 16]
+  typename Isa::F scale(int64_t g, int part) const {
+    const int64_t block = g / (kSuper / kGroup);
+    return Isa::mul(Isa::halves(scales + block * kTile + part * Isa::kRows),
+                    Isa::unsigned_bytes(steps + g * kTile + part * Isa::kRows));
+  }
+  typename Isa::F minimum(int64_t g, int part) const {
+    const int64_t block = g / (kSuper / kGroup);
+    return Isa::mul(Isa::halves(mins + block * kTile + part * Isa::kRows),
+                    Isa::unsigned_bytes(offsets + g * kTile + part * Isa::kRows));
+  }
+};
+
 // One int4 tile (16 output rows) times token rows [m0, m0 + MB): out[r][16] in float.
-template <int MB>
-void int4_tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const QuantizedRows& a,
-               int64_t dim, int64_t m0, float* out) {
+template <int MB, typename Scales>
+void int4_tile(const uint8_t* codes, const Scales& scales, const QuantizedRows& a, int64_t dim, int64_t m0,
+               float* out) {
   const int64_t groups = dim / kGroup;
   const typename Isa::I low = Isa::bytes(0x0F);
   for (int part = 0; part < kParts; ++part) {
@@ -291,8 +330,7 @@ void int4_tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* min
           }
         }
       }
-      const typename Isa::F scale = Isa::halves(scales + g * kTile + part * Isa::kRows);
-      const typename Isa::F minimum = Isa::halves(mins + g * kTile + part * Isa::kRows);
+      const typename Isa::F scale = scales.scale(g, part), minimum = scales.minimum(g, part);
       for (int r = 0; r < MB; ++r) {
         typename Isa::I sum = acc[0][r];
         for (int c = 1; c < kChains<MB>; ++c) sum = Isa::kVnni ? Isa::add32(sum, acc[c][r]) : Isa::add16(sum, acc[c][r]);
@@ -470,7 +508,42 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     using scalar_t = decltype(tag);
     const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, dim);
     run_tiles(rows, outputs, out.data_ptr<scalar_t>(), [&](int64_t t, int64_t m0, auto mb, float* block) {
-      int4_tile<decltype(mb)::value>(w + t * tile_bytes, s + t * tile_groups, z + t * tile_groups, a, dim, m0, block);
+      int4_tile<decltype(mb)::value>(w + t * tile_bytes, GroupScales{s + t * tile_groups, z + t * tile_groups}, a,
+                                     dim, m0, block);
+    });
+  });
+  return out;
+}
+
+at::Tensor int4k_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                        const at::Tensor& steps, const at::Tensor& offsets) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 64 && codes.is_contiguous(),
+              "int4k_linear: codes [N/16, K/8, 64] uint8");
+  const int64_t tiles = codes.size(0), dim = codes.size(1) * 8, outputs = tiles * kTile;
+  check_rows(x, dim);
+  TORCH_CHECK(dim % kSuper == 0, "int4k_linear: K must be a multiple of 256");
+  const int64_t tile_blocks = dim / kSuper * kTile, tile_groups = dim / kGroup * kTile;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  mins.is_contiguous() && scales.numel() == tiles * tile_blocks && mins.numel() == scales.numel(),
+              "int4k_linear: scales and mins [N/16, K/256, 16] float16");
+  TORCH_CHECK(steps.scalar_type() == at::kByte && offsets.scalar_type() == at::kByte && steps.is_contiguous() &&
+                  offsets.is_contiguous() && steps.numel() == tiles * tile_groups && offsets.numel() == steps.numel(),
+              "int4k_linear: steps and offsets [N/16, K/32, 16] uint8");
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, outputs}, x.options());
+  if (rows == 0) return out;
+  const auto* w = codes.data_ptr<uint8_t>();
+  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* z = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  const auto* u = steps.data_ptr<uint8_t>();
+  const auto* v = offsets.data_ptr<uint8_t>();
+  const int64_t tile_bytes = dim / 8 * 64;
+  by_dtype(x, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, dim);
+    run_tiles(rows, outputs, out.data_ptr<scalar_t>(), [&](int64_t t, int64_t m0, auto mb, float* block) {
+      const SuperBlockScales source{s + t * tile_blocks, z + t * tile_blocks, u + t * tile_groups, v + t * tile_groups};
+      int4_tile<decltype(mb)::value>(w + t * tile_bytes, source, a, dim, m0, block);
     });
   });
   return out;
@@ -556,12 +629,14 @@ TORCH_LIBRARY_FRAGMENT(specd, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("int6_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("int4k_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor steps, Tensor offsets) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specd, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);
   m.impl("int6_linear", &int6_linear);
+  m.impl("int4k_linear", &int4k_linear);
   m.impl("int8_round", &int8_round);
 }
 

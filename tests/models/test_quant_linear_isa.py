@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from models import cpu_kernels
-from models.quantized import INT4, INT6, INT8, kernels_available, quantize
+from models.quantized import INT4, INT4K, INT6, INT8, Int4KWeight, kernels_available, quantize
+from tests.support.q4_k import q4_k_blocks
 
 # -march value -> the /proc/cpuinfo flags the build needs to run here
 VARIANTS = {
@@ -27,8 +28,9 @@ VARIANTS = {
     "alderlake": {"avx2", "avx_vnni"},  # AVX-VNNI: 256-bit vpdpbusd
 }
 
+# (format, outputs, inputs, token rows): the rows cover every accumulator chain count
 CASES = [(INT4, 100, 256, 1), (INT4, 96, 128, 11), (INT8, 100, 256, 2), (INT8, 48, 64, 9), (INT6, 100, 256, 1),
-         (INT6, 48, 64, 3), (INT6, 96, 128, 10)]  # fmt: skip  # rows: every chain count
+         (INT6, 48, 64, 3), (INT6, 96, 128, 10), (INT4K, 100, 256, 1), (INT4K, 48, 512, 6)]  # fmt: skip
 
 BUILD = textwrap.dedent(
     """
@@ -60,7 +62,7 @@ def test_a_build_for_another_instruction_set_gives_the_same_bits(built_kernels, 
     torch.manual_seed(0)
     cases = []
     for fmt, n, k, rows in CASES:
-        copy = quantize(torch.randn(n, k), fmt)
+        copy = Int4KWeight.from_q4_k(q4_k_blocks(n, k), n, k) if fmt == INT4K else quantize(torch.randn(n, k), fmt)
         cases.append((fmt, copy.tensors, torch.randn(rows, k, dtype=torch.bfloat16)))
     torch.save(cases, tmp_path / "cases.pt")
     source = cpu_kernels.CSRC / "quant_linear.cpp"

@@ -14,8 +14,10 @@ from models.quantized import (
     BLOCK,
     GROUP,
     INT4,
+    INT4K,
     INT6,
     INT8,
+    Int4KWeight,
     Int4Weight,
     Int6Weight,
     Int8Weight,
@@ -23,8 +25,10 @@ from models.quantized import (
     concatenate,
     kernels_available,
     quantize,
+    restore,
     round_rows,
 )
+from tests.support.q4_k import q4_k_blocks
 
 DTYPES = [torch.float32, torch.bfloat16]
 FORMATS = [INT8, INT6, INT4]
@@ -236,3 +240,23 @@ def test_int6_keeps_q6_k_and_q5_0_weights_on_their_own_grid():
     blocks = on_31.view(16, -1, BLOCK)
     steps = blocks / (blocks.abs().amax(-1, keepdim=True) / 31)
     assert (steps - steps.round()).abs().max() < 0.02
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_int4k_holds_a_q4_k_tensor_to_the_bit(rows):
+    from gguf.quants import GGMLQuantizationType, dequantize
+
+    n, k = 40, 512  # 40: a padded last tile
+    blocks = q4_k_blocks(n, k)
+    reference = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q4_K).copy())  # what transformers loads
+    copy = Int4KWeight.from_q4_k(blocks, n, k)
+    assert copy.fmt == INT4K and (copy.out_features, copy.in_features) == (n, k)
+    assert torch.equal(copy.dense(torch.float32), reference)
+    assert copy.nbytes() == 48 * k * 37 // 64  # 4.625 bits a weight, over whole tiles
+    x = torch.randn(rows, k)
+    exact = F.linear(rows_as_the_kernel_rounds_them(x), reference)
+    torch.testing.assert_close(copy.matmul(x), exact, rtol=1e-5, atol=1e-4)
+    restored = restore(INT4K, copy.tensors, n)
+    assert torch.equal(restored.matmul(x), copy.matmul(x))
+    with pytest.raises(ValueError, match="Q4_K blocks"):
+        quantize(reference, INT4K)

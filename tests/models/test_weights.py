@@ -11,7 +11,7 @@ from torch import nn
 from models.forward import lean_forward
 from models.linear_kernels import QUANTIZED, KernelTable, TunedLinear, linear_layers
 from models.loader import ModelConfig, default_gguf_path, load_model
-from models.quantized import INT4, INT6, INT8, Int4Weight, Int6Weight, Int8Weight, footprint
+from models.quantized import INT4, INT4K, INT6, INT8, Int4KWeight, Int4Weight, Int6Weight, Int8Weight, footprint
 from models.weights import (
     OUTPUT,
     WEIGHTS,
@@ -20,6 +20,7 @@ from models.weights import (
     gguf_plan,
     packing_name,
     plan_for,
+    quantize_layers,
     uniform_plan,
 )
 from scheduler.offline import run_offline
@@ -70,12 +71,50 @@ def test_auto_on_a_gguf_keeps_each_quantized_tensor_in_its_nearest_format():
 
 
 def test_each_gguf_type_is_kept_in_the_format_that_holds_its_values():
-    assert [gguf_format(kind) for kind in ("Q4_K", "Q4_0", "Q3_K", "IQ4_XS")] == [INT4] * 4
+    assert gguf_format("Q4_K") == INT4K  # its own blocks (`Int4KWeight`)
+    assert [gguf_format(kind) for kind in ("Q4_0", "Q4_1", "Q3_K", "IQ4_XS")] == [INT4] * 4
     assert gguf_format("Q6_K") == gguf_format("Q5_0") == INT6  # codes times a scale
     assert gguf_format("Q5_1") == gguf_format("Q5_K") == gguf_format("Q8_0") == INT8  # a minimum, or 8 bits
     assert gguf_format("F16") is None and gguf_format("F32") is None and gguf_format("BF16") is None
     # the output projection: 6 bits or more as the file has it, a 4-bit one in int8
     assert gguf_format("Q6_K", output=True) == INT6 and gguf_format("Q4_K", output=True) == INT8
+
+
+class ThreeLayers(nn.Module):
+    """Linear layers of 512 inputs (whole Q4_K super-blocks) and the embedding accessors
+    `quantize_layers` asks for."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.kept, self.reordered = nn.Embedding(8, 512), nn.Linear(512, 40), nn.Linear(512, 40)
+        self.head = nn.Linear(512, 8)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def test_a_q4_k_layer_is_read_from_its_blocks_where_they_hold_its_values(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from gguf.quants import GGMLQuantizationType, dequantize
+
+    from tests.support.q4_k import q4_k_blocks
+
+    blocks = q4_k_blocks(40, 512)
+    model = ThreeLayers()
+    values = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q4_K).copy())
+    with torch.no_grad():
+        model.kept.weight.copy_(values)
+        model.reordered.weight.copy_(values.roll(1, dims=0))  # as transformers permutes a Llama GGUF's q and k
+    tensor = SimpleNamespace(name="q4_k", tensor_type=SimpleNamespace(name="Q4_K"), data=blocks)
+    monkeypatch.setattr("models.weights._gguf_tensors", lambda path: {"kept": tensor, "reordered": tensor})
+    layers = quantize_layers(model, {"kept": INT4K, "reordered": INT4K}, tmp_path / "model.gguf")
+    assert isinstance(layers["kept"], Int4KWeight) and torch.equal(layers["kept"].dense(torch.float32), values)
+    assert isinstance(layers["reordered"], Int4Weight)  # requantized from its values instead
+    assert isinstance(quantize_layers(model, {"kept": INT4K})["kept"], Int4Weight)  # no file to read
 
 
 def test_the_plan_for_each_choice(tiny_llama_dir):
