@@ -131,7 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a catalogue name or a .gguf file")
     parser.add_argument("--section", choices=("accuracy", "floor", "all"), default="all")
-    parser.add_argument("--formats", default="bf16,int8,int4,auto", help="--weights values to measure")
+    parser.add_argument("--formats", default="bf16,int8,int6,int4,auto", help="--weights values to measure")
     parser.add_argument("--dtype", default="auto", help="the served dtype (the accuracy reference is float32)")
     parser.add_argument("--tokens", type=int, default=4096, help="accuracy: tokens of text scored")
     parser.add_argument("--window", type=int, default=512, help="accuracy: tokens per forward")

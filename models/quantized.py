@@ -1,4 +1,4 @@
-"""Weight-only quantized copies of linear layers: int8, int6 and int4.
+"""Weight-only quantized copies of linear layers: int8, int6, int4 and int4k.
 
 On a CPU a decode step is a read of every weight. A GGUF ships its weights at 4-6 bits; widened
 to bfloat16 they cost 3-4x the bytes per step (Qwen2.5-Coder-1.5B Q4_K_M: 1.1 GB on disk, 3.1 GB
@@ -17,6 +17,9 @@ the rows quantized to int8 per group of `GROUP` inputs, as llama.cpp does:
   (w = code * scale + minimum). 32 is the sub-block of llama.cpp's Q4_K: a Q4_K tensor is
   requantized on its own groups, each on the grid its values sit on (`_grid_steps`), so it keeps
   the file's values; other weights on 15 steps from their minimum to their maximum.
+- int4k: a Q4_K tensor read from the file's blocks: int4's codes, and per group an 8-bit scale
+  and minimum under a float16 pair per 256 inputs (`Int4KWeight`): 4.625 bits a weight, the
+  file's values to the bit.
 
 torch's weight-only kernels (`aten._weight_int4pack_mm_for_cpu`, the ones gpt-fast uses) widen
 every weight to a float lane and ran out of arithmetic before memory: on a 2-core AMX Xeon one
@@ -28,7 +31,7 @@ weight-only kernel or a dense layout per step. The two differ by the rows' int8 
 relative 0.5% of a product), as the dtype's rounding differs between step shapes; each row's sums
 are its own, so a row gets the same bits from the kernel whatever shares its step. Resident
 cost: the dense weight (and its packed copy where a dense layout packs) plus 1.0625 (int8),
-0.875 (int6) or 0.625 (int4) bytes per weight.
+0.875 (int6), 0.625 (int4) or 0.578 (int4k) bytes per weight.
 """
 
 from __future__ import annotations
@@ -292,19 +295,28 @@ def _symmetric_steps(w: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
     (`peak`) of a grid every value sits on, the largest that does; 31 where none does (float
     weights: the peak at -31 and its negation at 31 both fit). A Q6_K block's values are
     d * sc * q with q in -32..31 and Q5_0's d * q with q in -16..15, the peak at some q of
-    magnitude k: on that grid they keep their values."""
+    magnitude k: on that grid they keep their values. In chunks of `_CHUNK` blocks, so the
+    temporaries stay small; once a whole chunk sits on no grid, the weight is a float one and
+    the rest is not searched."""
     steps = torch.full(peak.shape, 31.0)
-    open_ = torch.ones(peak.shape, dtype=torch.bool)
-    for k in range(32, 0, -1):  # most Q6_K blocks settle within the first few
-        rows = open_.nonzero().squeeze(1)
-        if rows.numel() == 0:
+    for start in range(0, w.shape[0], _CHUNK):
+        chunk, chunk_peak = w[start : start + _CHUNK], peak[start : start + _CHUNK]
+        open_ = torch.ones(chunk_peak.shape, dtype=torch.bool)
+        for k in range(32, 0, -1):  # most Q6_K blocks settle within the first few
+            rows = open_.nonzero().squeeze(1)
+            if rows.numel() == 0:
+                break
+            codes = -chunk[rows] * (k / chunk_peak[rows])[:, None]  # the peak at -k
+            on_grid = ((codes - codes.round()).abs().amax(dim=-1) < 1e-3) & (codes.round().amax(dim=-1) <= 31)
+            found = rows[on_grid]
+            steps[start + found] = float(k)
+            open_[found] = False
+        if bool(open_.all()) and chunk.shape[0] == _CHUNK:
             break
-        codes = -w[rows] * (k / peak[rows])[:, None]  # the peak at -k
-        on_grid = ((codes - codes.round()).abs().amax(dim=-1) < 1e-3) & (codes.round().amax(dim=-1) <= 31)
-        found = rows[on_grid]
-        steps[found] = float(k)
-        open_[found] = False
     return steps
+
+
+_CHUNK = 1 << 16  # blocks of BLOCK weights per pass of `_symmetric_steps`
 
 
 class Int6Weight(TiledWeight):
@@ -382,11 +394,22 @@ class StackedWeight(QuantizedWeight):
 def concatenate(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
     """Weights sharing their input (q, k and v) as one, stacked along the outputs: exact, as every
     output row is quantized on its own and tiles are independent. Where their formats differ, or
-    a part other than the last ends in a padded tile, one call each."""
+    a part other than the last ends in a padded tile, each run of one format that can stack is
+    one call (a Q4_K_M file's int4k q and k, then an int6 v)."""
+    runs: list[list[QuantizedWeight]] = []
+    for weight in weights:
+        last = runs[-1][-1] if runs else None
+        stacks = isinstance(weight, TiledWeight) and isinstance(last, TiledWeight) and not last.padded
+        if stacks and type(weight) is type(last):
+            runs[-1].append(weight)
+        else:
+            runs.append([weight])
+    parts = [run[0] if len(run) == 1 else _stack(run) for run in runs]
+    return parts[0] if len(parts) == 1 else StackedWeight(parts)
+
+
+def _stack(weights: list[QuantizedWeight]) -> TiledWeight:
     tiled = [w for w in weights if isinstance(w, TiledWeight)]
-    kind = type(weights[0])
-    if len(tiled) != len(weights) or any(type(w) is not kind for w in tiled) or any(w.padded for w in tiled[:-1]):
-        return StackedWeight(weights)
     stacked = tuple(torch.cat(parts) for parts in zip(*(w.tensors for w in tiled)))
     return tiled[0].__class__(stacked, sum(w.out_features for w in tiled))
 

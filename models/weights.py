@@ -73,7 +73,7 @@ _GGUF_MODULES = {
 }
 OUTPUT = "output"  # the plan's key for the output projection
 
-Plan = dict[str, str]  # module name (or OUTPUT) -> INT8 | INT6 | INT4; absent: dense
+Plan = dict[str, str]  # module name (or OUTPUT) -> INT8 | INT6 | INT4 | INT4K; absent: dense
 
 
 def gguf_format(kind: str, output: bool = False) -> str | None:

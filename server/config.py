@@ -189,8 +189,9 @@ class Settings(BaseSettings):
     )
     weights: Literal["auto", "bf16", "int8", "int6", "int4"] = Field(
         "auto",
-        description="Weight format (CPU): auto keeps a GGUF's quantized tensors quantized (int4 for 4-bit and smaller "
-        "types, int6 for Q6_K and Q5_0, int8 for other 5-8 bit types) and a float checkpoint dense; bf16 serves "
+        description="Weight format (CPU): auto keeps a GGUF's quantized tensors quantized (Q4_K as its own blocks, "
+        "other 4-bit and smaller types int4, Q6_K and Q5_0 int6, other 5-8 bit types and a 4-bit output projection "
+        "int8) and a float checkpoint dense; bf16 serves "
         "every weight dense in --dtype; int8 / int6 / int4 quantize every linear layer (the output projection "
         "int8). Quantized layers keep their dense values too; the timing at load picks, per step size, specd's "
         "weight-only kernel (up to ~16 rows) or the dense one; in float32 the weight-only kernel runs every step "

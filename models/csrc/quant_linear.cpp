@@ -27,7 +27,8 @@
 //   int6 codes [N/16, K/16, 192] uint8: for tile t and block b of 16 inputs, three 64-byte
 //     columns. In the first, byte 4r+j holds the low 4 bits of row 16t+r's codes of inputs 16b+j
 //     (low nibble) and 16b+4+j (high nibble); in the second, of 16b+8+j and 16b+12+j; in the
-//     third, their top 2 bits, in that order from bit 0 (GGUF's Q6_K splits its codes alike).
+//     third, their top 2 bits, in that order from bit 0 (as GGUF's Q6_K splits its codes, in
+//     another order).
 //     Codes 0..63; scales [N/16, K/16, 16] float16: w = (code - 32) * scale.
 
 #include <ATen/ATen.h>

@@ -259,7 +259,7 @@ def test_an_allocation_failure_keeps_the_cache(fake_gguf, monkeypatch, failure):
 @pytest.mark.parametrize("fmt", ["int8", "int6", "int4"])
 def test_a_quantized_conversion_is_cached_packed_and_serves_the_same_model(fake_gguf, tiny_dirs, fmt):
     if not quantized.kernels_available() and not cpu_kernels.load(fake_gguf["cfg"].cache_dir):
-        pytest.skip("specd's int4/int8 kernels are not built here")
+        pytest.skip("specd's weight-only kernels are not built here")
     cfg = dataclasses.replace(fake_gguf["cfg"], weights=fmt, tune_kernels=False)
     first, second = load_model(cfg), load_model(cfg)
 

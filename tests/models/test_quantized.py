@@ -135,10 +135,11 @@ def test_copies_of_one_format_stack_into_one_exact_product(fmt):
     assert isinstance(padded_first, StackedWeight) and padded_first.out_features == 168
 
 
-def test_copies_in_different_formats_run_one_call_each():
+def test_copies_in_different_formats_run_one_call_per_format():
     parts = [quantize(torch.randn(64, 128), fmt) for fmt in (INT4, INT4, INT6)]
     stacked = concatenate(parts)
     assert isinstance(stacked, StackedWeight) and stacked.fmt == "int4+int6" and stacked.out_features == 192
+    assert [(p.fmt, p.out_features) for p in stacked.parts] == [(INT4, 128), (INT6, 64)]  # q and k stacked
     x = torch.randn(3, 128)
     assert torch.equal(stacked.matmul(x), torch.cat([p.matmul(x) for p in parts], dim=-1))
 
