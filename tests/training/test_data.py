@@ -54,13 +54,19 @@ def test_answering_past_its_deadline_leaves_out_the_prompts_it_never_reached(tin
 
 def test_top_k_next_is_the_softmax_top_k_whatever_the_chunk(tiny_loaded):
     lm_head = tiny_loaded.model.get_output_embeddings()
+    torch.manual_seed(0)
     hidden = torch.randn(10, tiny_loaded.model.config.hidden_size)
     with torch.inference_mode():
         ids, probs = top_k_next(lm_head, hidden, rows=3)
-        reference_probs, reference_ids = lm_head(hidden).softmax(-1).topk(TOP_K, dim=-1)
-    assert torch.equal(ids, reference_ids)
+        full = lm_head(hidden).softmax(-1)
+        reference_probs, reference_ids = full.topk(TOP_K, dim=-1)
+        whole_ids = top_k_next(lm_head, hidden)[0]
     torch.testing.assert_close(probs, reference_probs)
-    assert torch.equal(ids, top_k_next(lm_head, hidden)[0])
+    # The same tokens, up to the order of near-ties: a GEMM of 3 rows sums in another order than
+    # one of 10, so two tokens a last bit apart can swap places.
+    torch.testing.assert_close(full.gather(-1, ids), reference_probs)
+    torch.testing.assert_close(full.gather(-1, whole_ids), reference_probs)
+    assert (ids == reference_ids).float().mean() > 0.9
 
 
 def test_record_features_batches_unequal_lengths_like_one_at_a_time(tiny_loaded):
