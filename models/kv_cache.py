@@ -75,7 +75,17 @@ class LayoutPlan:
     block_size: int
 
     @classmethod
-    def build(cls, block_tables: list[list[int]], starts: list[int], lens: list[int], block_size: int) -> LayoutPlan:
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        starts: list[int],
+        lens: list[int],
+        block_size: int,
+        paged_limits: PagedLimits = (),
+    ) -> LayoutPlan:
+        """`paged_limits`: the queries a row up to which a group reads the pool in place where the
+        paged kernel is enabled, by its rows (the model's `LoadedModel.paged_limits`); decode
+        groups always do, others gather."""
         token_dest: list[int] = []
         token_pos: list[int] = []
         offsets = []
@@ -92,11 +102,13 @@ class LayoutPlan:
             *([b] for b in rows if lens[b] > SHORT_ROW_TOKENS),
         ]
         total = len(token_dest)
-        groups = [cls._group(run, block_tables, starts, lens, offsets, total, block_size) for run in runs if run]
+        groups = [
+            cls._group(run, block_tables, starts, lens, offsets, total, block_size, paged_limits) for run in runs if run
+        ]
         return cls(token_dest, token_pos, groups, block_size)
 
     @staticmethod
-    def _group(run, block_tables, starts, lens, offsets, total, block_size) -> GroupPlan:
+    def _group(run, block_tables, starts, lens, offsets, total, block_size, paged_limits) -> GroupPlan:
         max_q = max(lens[b] for b in run)
         max_kv = max(starts[b] + lens[b] for b in run)
         num_blocks = blocks_for(max_kv, block_size)
@@ -122,7 +134,8 @@ class LayoutPlan:
             token_index=None if token_index == list(range(total)) else token_index,
             pad_index=None if len(pad_index) == len(run) * max_q else pad_index,
             view_block=view_block,
-            paged=(max_q == 1 or paged_attention.everywhere()) and paged_attention.enabled(),
+            paged=(max_q <= paged_limit(paged_limits, len(run)) or paged_attention.everywhere())
+            and paged_attention.enabled(),
         )
 
     def add_to(self, buf: HostBuffer, prefix: str) -> None:
@@ -253,9 +266,10 @@ class StepLayout:
         lens: list[int],
         block_size: int,
         device: torch.device,
+        paged_limits: PagedLimits = (),
     ) -> StepLayout:
         """Plan and upload in one go (for callers outside a runner step)."""
-        plan = LayoutPlan.build(block_tables, starts, lens, block_size)
+        plan = LayoutPlan.build(block_tables, starts, lens, block_size, paged_limits)
         buf = HostBuffer()
         plan.add_to(buf, "layout")
         return plan.resolve(buf.upload(device), "layout")
@@ -463,6 +477,83 @@ def tune_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
         time.perf_counter() - started,
     )
     return grouped
+
+
+# Queries a row up to which a group reads the pool in place (the paged kernel), per number of
+# rows: limits[i] for groups of up to PAGED_ROWS[i] rows (`tune_paged_limits`). Empty: decode
+# rows only.
+PagedLimits = tuple[int, ...]
+PAGED_ROWS = (1, 4, 16)  # more rows than the last: its limit
+PAGED_QUERIES = range(2, 9)  # verify rows of K = 1..7 drafts
+PAGED_CONTEXT = 384  # keys each timed row reads
+PAGED_BLOCK_SIZE = 16  # the pool's blocks as timed (`RunnerConfig.block_size`'s default)
+_PAGED_LIMITS: dict[tuple[int, int, int, torch.dtype], PagedLimits] = {}
+
+
+def paged_limit(limits: PagedLimits, rows: int) -> int:
+    """The most queries a row for which a group of `rows` rows reads the pool in place."""
+    for bound, limit in zip(PAGED_ROWS, limits):
+        if rows <= bound:
+            return limit
+    return limits[-1] if limits else 1
+
+
+@torch.inference_mode()
+def tune_paged_limits(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> PagedLimits:
+    """Per PAGED_ROWS, the most queries a row for which the paged kernel reads a verify group
+    faster than the gather and SDPA on this CPU, for this model's heads. It depends on the heads,
+    the rows and the machine: on a 2-core EPYC the kernel read one Qwen2.5-Coder-1.5B verify row
+    of 2-8 queries (12 heads of 128 over 2 kv heads) in 0.46-0.76 of the gather's time, and 16
+    rows of 4 in 0.96. Timed once per process and shape over PAGED_CONTEXT keys, interleaved,
+    the fastest of 7 tries each; each count stops at the first number of queries where the
+    kernel is not 5% faster."""
+    key = (num_heads, num_kv_heads, head_dim, dtype)
+    if key in _PAGED_LIMITS:
+        return _PAGED_LIMITS[key]
+    if not paged_attention.enabled() or head_dim > paged_attention.MAX_HEAD_DIM:
+        return ()
+    started = time.perf_counter()
+    blocks = blocks_for(PAGED_CONTEXT, PAGED_BLOCK_SIZE)
+    pool = torch.randn(num_kv_heads, max(PAGED_ROWS) * blocks * PAGED_BLOCK_SIZE, head_dim, dtype=dtype)
+    values = torch.randn_like(pool)
+    tables = [list(range(r * blocks, (r + 1) * blocks)) for r in range(max(PAGED_ROWS))]
+    limits, ratios = [], []
+    for rows in PAGED_ROWS:
+        limit = 1
+        for queries in PAGED_QUERIES:
+            q = torch.randn(rows * queries, num_heads, head_dim, dtype=dtype)
+            starts, lens = [PAGED_CONTEXT - queries] * rows, [queries] * rows
+            layouts = {
+                paged: StepLayout.build(tables[:rows], starts, lens, PAGED_BLOCK_SIZE, torch.device("cpu"), (paged,))
+                for paged in (queries, 1)
+            }
+            for layout in layouts.values():
+                attend(layout, q, pool, values, None)
+            best = dict.fromkeys(layouts, float("inf"))
+            for _ in range(7):  # interleaved, the fastest of each: a slow moment hurts neither
+                for paged, layout in layouts.items():
+                    start = time.perf_counter()
+                    for _ in range(3):
+                        attend(layout, q, pool, values, None)
+                    best[paged] = min(best[paged], time.perf_counter() - start)
+            ratio = best[queries] / best[1]
+            ratios.append(f"{rows}x{queries}: {ratio:.2f}")
+            if ratio >= 0.95:
+                break
+            limit = queries
+        limits.append(limit)
+    _PAGED_LIMITS[key] = result = tuple(limits)
+    logger.info(
+        "attention (%d heads of %d): verify groups of %s rows read the pool in place up to %s queries a row "
+        "(paged / gather %s; timed in %.1fs)",
+        num_heads,
+        head_dim,
+        "/".join(map(str, PAGED_ROWS)),
+        "/".join(map(str, result)),
+        ", ".join(ratios),
+        time.perf_counter() - started,
+    )
+    return result
 
 
 def _grouped_attention(q, key, value, mask, scaling):

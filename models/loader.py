@@ -34,7 +34,7 @@ from transformers import (
 from models import catalogue, cpu_kernels, layer_ops, paged_attention, weights
 from models.forward import lean_forward
 from models.gguf_cache import GGUFCache, cache_path
-from models.kv_cache import KVCache, tune_attention
+from models.kv_cache import KVCache, PagedLimits, tune_attention, tune_paged_limits
 from models.linear_kernels import (
     DENSE,
     INVARIANT,
@@ -117,6 +117,10 @@ class LoadedModel:
     batch_invariant: bool = False
     # float32 with quantized layers: every step size computes a token alike (`_step_invariant`).
     step_invariant: bool = False
+    # Queries a row up to which attention reads the KV pool in place (the paged kernel), by the
+    # group's rows, learned at load for this model's heads (`kv_cache.tune_paged_limits`; empty:
+    # decode rows only).
+    paged_limits: PagedLimits = ()
 
 
 def default_cache_dir() -> Path:
@@ -201,6 +205,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         tune_attention(*KVCache.heads(model.config), dtype)
     paged = built and (cfg.cpu_attention == "paged" or cfg.batch_invariant)
     paged_attention.use(paged, everywhere=cfg.batch_invariant or step_invariant)
+    paged_limits: PagedLimits = ()
+    if paged and cfg.tune_kernels and device.type == "cpu" and not (cfg.batch_invariant or step_invariant):
+        paged_limits = tune_paged_limits(*KVCache.heads(model.config), dtype)
     layer_ops.use(built)
     loaded = LoadedModel(
         model=model,
@@ -215,6 +222,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         weights=cfg.weights,
         batch_invariant=cfg.batch_invariant,
         step_invariant=step_invariant,
+        paged_limits=paged_limits,
     )
     dense_bytes, quantized_bytes = footprint(
         model, lean.fused_copies() if lean else (), lean.fused_tensors() if lean else ()

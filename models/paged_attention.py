@@ -1,5 +1,6 @@
-"""Paged attention that reads the KV pool in place, for decode rows on CPU (the kernel takes
-verify rows too; `models.kv_cache` keeps those on the gather, which is faster there).
+"""Paged attention that reads the KV pool in place, for decode rows on CPU, and verify rows of up
+to `LoadedModel.paged_limits` queries where it beat the gather at load
+(`models.kv_cache.tune_paged_limits`).
 
 `models.kv_cache` otherwise gathers every row's blocks into a padded copy per layer and
 SDPA reads that copy again: three passes over the rows' KV where attention needs one. At 32
@@ -43,10 +44,10 @@ def use(wanted: bool, everywhere: bool = False) -> None:
 
 
 def reads(group: AttentionGroup, query: torch.Tensor, sliding_window: int | None) -> bool:
-    """Decode groups whose keys would be gathered, on CPU, with the kernel loaded and enabled.
-    Verify rows and prefill chunks stay with the gather and SDPA's blocked kernels: at 6-11
-    queries a row the kernel ran 1.4-2.5x slower than the gather and SDPA (bf16 and float32,
-    2 cores), at 1 query 1.5-3.2x faster."""
+    """Groups planned for the kernel (decode rows, and verify rows where it was faster at load),
+    on CPU, with the kernel loaded and enabled. Prefill chunks stay with the gather and SDPA's
+    blocked kernels: for SmolLM2 at 6-11 queries a row the kernel ran 1.4-2.5x slower than the
+    gather and SDPA (bf16 and float32, 2 cores), at 1 query 1.5-3.2x faster."""
     return (
         group.plan.paged  # a decode group, planned while the kernel was enabled
         and not sliding_window

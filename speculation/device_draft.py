@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from models.forward import last_token_index
-from models.kv_cache import LayoutPlan, StepLayout
+from models.kv_cache import LayoutPlan, PagedLimits, StepLayout
 from models.sampling import (
     SamplingTensors,
     draft_noise,
@@ -71,6 +71,7 @@ class DeviceProposer(Proposer):
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size  # the target's: q must live in p's vocabulary
         self.block_size = 0  # the target's KV block, set by `allocate`
+        self.paged_limits: PagedLimits = ()  # where its catch-up reads in place (`LoadedModel.paged_limits`)
         # Positions of each request the proposer's KV holds for accepted tokens.
         self._computed: dict[str, int] = {}
 
@@ -119,7 +120,8 @@ class DeviceProposer(Proposer):
         for j in range(max(num_tokens)):
             rows = [i for i, k in enumerate(num_tokens) if k > j]
             if j == 0:
-                layout = LayoutPlan.build(tables, starts, [len(f) for f in feeds], self.block_size)
+                lens = [len(f) for f in feeds]
+                layout = LayoutPlan.build(tables, starts, lens, self.block_size, self.paged_limits)
             else:
                 positions = [starts[i] + len(feeds[i]) + j - 1 for i in rows]
                 layout = LayoutPlan.build([tables[i] for i in rows], positions, [1] * len(rows), self.block_size)

@@ -27,6 +27,7 @@ class DraftModelProposer(DeviceProposer):
     def __init__(self, draft: LoadedModel, vocab_size: int):
         super().__init__(vocab_size)
         self.draft = draft
+        self.paged_limits = draft.paged_limits  # its catch-up feeds read the pool as its verify rows would
         draft.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.cache: KVCache | None = None
 

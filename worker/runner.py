@@ -232,7 +232,11 @@ class ModelRunner:
             draft=None,
             draft_rows=draft_rows,
             layout=LayoutPlan.build(
-                [r.block_ids for r in rows], [r.start_pos for r in rows], lens, self.config.block_size
+                [r.block_ids for r in rows],
+                [r.start_pos for r in rows],
+                lens,
+                self.config.block_size,
+                self.target.paged_limits,
             ),
             sample_rows=[i for i, row in enumerate(rows) if row.sample],
             shadows=self.host.shadows(rows),

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from models import paged_attention
-from models.kv_cache import LayoutPlan, attend
+from models.kv_cache import PAGED_ROWS, LayoutPlan, attend, paged_limit, tune_paged_limits
 from models.transfer import HostBuffer
 
 
@@ -82,8 +82,8 @@ def check_kernel(kernel, dtype, tolerance, heads, kv_heads, block_size, queries,
     torch.testing.assert_close(got.double(), want, atol=tolerance, rtol=tolerance)
 
 
-def layout_for(tables, starts, lens, block_size):
-    plan = LayoutPlan.build(tables, starts, lens, block_size)
+def layout_for(tables, starts, lens, block_size, paged_limits=()):
+    plan = LayoutPlan.build(tables, starts, lens, block_size, paged_limits)
     buf = HostBuffer()
     plan.add_to(buf, "l")
     return plan.resolve(buf.upload(torch.device("cpu")), "l")
@@ -140,3 +140,35 @@ def test_a_decode_row_reads_the_same_alone_as_among_others(kernel):
             layout_for([tables[row]], [starts[row]], [1], block_size), q[row : row + 1], k_pool, v_pool, 0.125
         )
         assert torch.equal(alone[0], together[row])
+
+
+def test_verify_rows_read_in_place_up_to_the_limit_for_their_rows(kernel, monkeypatch):
+    rng = random.Random(3)
+    block_size, starts, lens = 4, [9, 3, 20, 6], [1, 1, 5, 3]  # two decode rows; a verify group of 2 rows, 5 queries
+    k_pool, v_pool, tables = pool_and_tables(rng, starts, lens, block_size, 2, 8, torch.float32)
+    q = torch.randn(sum(lens), 4, 8)
+    calls: list[int] = []
+    real = paged_attention.paged_attention
+    monkeypatch.setattr(
+        paged_attention, "paged_attention", lambda query, *a: calls.append(len(query)) or real(query, *a)
+    )
+    paged_attention.use(True)
+    want = reference(q, k_pool, v_pool, tables, starts, lens, block_size, 8**-0.5)
+    for limits, read in [((8, 5), [2, 8]), ((8, 4), [2]), ((5,), [2, 8]), ((), [2])]:  # 2 rows: the second limit
+        calls.clear()
+        got = attend(layout_for(tables, starts, lens, block_size, limits), q, k_pool, v_pool, 8**-0.5)
+        assert calls == read, limits
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert [paged_limit((8, 6, 4), rows) for rows in (1, 2, 4, 5, 16, 40)] == [8, 6, 6, 4, 4, 4]
+    assert paged_limit((), 1) == 1
+
+
+def test_the_limits_are_timed_once_per_shape_and_only_where_the_kernel_runs(kernel, monkeypatch):
+    paged_attention.use(False)
+    assert tune_paged_limits(4, 2, 16, torch.float32) == ()
+    paged_attention.use(True)
+    limits = tune_paged_limits(4, 2, 16, torch.float32)
+    assert len(limits) == len(PAGED_ROWS) and all(1 <= limit <= 8 for limit in limits)
+    monkeypatch.setattr("models.kv_cache.attend", lambda *a: pytest.fail("timed twice"))
+    assert tune_paged_limits(4, 2, 16, torch.float32) == limits
+    assert tune_paged_limits(4, 2, paged_attention.MAX_HEAD_DIM + 32, torch.float32) == ()

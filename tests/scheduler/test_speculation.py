@@ -97,6 +97,19 @@ def test_greedy_speculation_equals_plain_output(proposer, extras):
         assert alone.token_ids == plain[i]
 
 
+def test_greedy_speculation_equals_plain_output_with_verify_rows_read_in_place(tiny_llama_dir):
+    """Verify rows and the draft's catch-up through the paged kernel (`LoadedModel.paged_limits`),
+    beside decode rows that always are: the same tokens as plain decoding."""
+    target, runner = runner_for(tiny_llama_dir, "draft_model", tiny_llama_dir)
+    target.paged_limits = runner.proposer.paged_limits = (8, 8, 8)
+    config = config_for(target)
+    tok = target.tokenizer
+    plain = [c.token_ids for c in run_offline(runner, config, requests(tok, "off", False))]
+    spec = run_offline(runner, config, requests(tok, "on", True))
+    assert [c.token_ids for c in spec] == plain
+    assert sum(c.num_accepted_tokens for c in spec) > 0
+
+
 SEEDED = dict(temperature=0.9, seed=1234)
 
 
