@@ -507,11 +507,11 @@ def tune_paged_limits(num_heads: int, num_kv_heads: int, head_dim: int, dtype: t
     rows of 4 in 0.96. Timed once per process and shape over PAGED_CONTEXT keys, interleaved,
     the fastest of 7 tries each; each count stops at the first number of queries where the
     kernel is not 5% faster."""
+    if not paged_attention.enabled() or head_dim > paged_attention.MAX_HEAD_DIM:
+        return ()
     key = (num_heads, num_kv_heads, head_dim, dtype)
     if key in _PAGED_LIMITS:
         return _PAGED_LIMITS[key]
-    if not paged_attention.enabled() or head_dim > paged_attention.MAX_HEAD_DIM:
-        return ()
     started = time.perf_counter()
     blocks = blocks_for(PAGED_CONTEXT, PAGED_BLOCK_SIZE)
     pool = torch.randn(num_kv_heads, max(PAGED_ROWS) * blocks * PAGED_BLOCK_SIZE, head_dim, dtype=dtype)

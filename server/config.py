@@ -183,7 +183,8 @@ class Settings(BaseSettings):
     cpu_attention: Literal["paged", "gather"] = Field(
         "paged",
         description="On CPU, how decode rows read the paged KV cache: paged (a C++ kernel reads each row's blocks "
-        "in place; built with specd's CPU kernels for this CPU on first start, ~15 s, cached under --cache-dir; "
+        "in place, and verify rows' up to the queries a row where it beat the gather when timed at load; built "
+        "with specd's CPU kernels for this CPU on first start, ~15 s, cached under --cache-dir; "
         "needs a C++ compiler, else gather with a warning) or gather (each row's blocks copied out for SDPA "
         "every layer).",
     )

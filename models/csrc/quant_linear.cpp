@@ -490,6 +490,22 @@ void check_rows(const at::Tensor& x, int64_t in_features) {
   TORCH_CHECK(x.size(1) == in_features && in_features % kGroup == 0, "quantized linear: K must match, a multiple of 32");
 }
 
+// out [M, N] = x @ W^T: each token row of x quantized once, then every tile of 16 outputs by
+// `tile(quantized rows, t, m0, mb, its float results)` (`run_tiles`).
+template <typename Tile>
+at::Tensor weight_only_product(const at::Tensor& x, int64_t outputs, int64_t dim, Tile&& tile) {
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, outputs}, x.options());
+  if (rows == 0) return out;
+  by_dtype(x, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, dim);
+    run_tiles(rows, outputs, out.data_ptr<scalar_t>(),
+              [&](int64_t t, int64_t m0, auto mb, float* block) { tile(a, t, m0, mb, block); });
+  });
+  return out;
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 64 && codes.is_contiguous(),
               "int4_linear: codes [N/16, K/8, 64] uint8");
@@ -498,22 +514,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   mins.is_contiguous() && scales.numel() == outputs * (dim / kGroup) && mins.numel() == scales.numel(),
               "int4_linear: scales and mins [N/16, K/32, 16] float16");
-  const int64_t rows = x.size(0);
-  at::Tensor out = at::empty({rows, outputs}, x.options());
-  if (rows == 0) return out;
   const auto* w = codes.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* z = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   const int64_t tile_bytes = dim / 8 * 64, tile_groups = dim / kGroup * kTile;
-  by_dtype(x, [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, dim);
-    run_tiles(rows, outputs, out.data_ptr<scalar_t>(), [&](int64_t t, int64_t m0, auto mb, float* block) {
-      int4_tile<decltype(mb)::value>(w + t * tile_bytes, GroupScales{s + t * tile_groups, z + t * tile_groups}, a,
-                                     dim, m0, block);
-    });
+  return weight_only_product(x, outputs, dim, [&](const QuantizedRows& a, int64_t t, int64_t m0, auto mb, float* out) {
+    int4_tile<decltype(mb)::value>(w + t * tile_bytes, GroupScales{s + t * tile_groups, z + t * tile_groups}, a,
+                                   dim, m0, out);
   });
-  return out;
 }
 
 at::Tensor int4k_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
@@ -530,24 +538,16 @@ at::Tensor int4k_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(steps.scalar_type() == at::kByte && offsets.scalar_type() == at::kByte && steps.is_contiguous() &&
                   offsets.is_contiguous() && steps.numel() == tiles * tile_groups && offsets.numel() == steps.numel(),
               "int4k_linear: steps and offsets [N/16, K/32, 16] uint8");
-  const int64_t rows = x.size(0);
-  at::Tensor out = at::empty({rows, outputs}, x.options());
-  if (rows == 0) return out;
   const auto* w = codes.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* z = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   const auto* u = steps.data_ptr<uint8_t>();
   const auto* v = offsets.data_ptr<uint8_t>();
   const int64_t tile_bytes = dim / 8 * 64;
-  by_dtype(x, [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, dim);
-    run_tiles(rows, outputs, out.data_ptr<scalar_t>(), [&](int64_t t, int64_t m0, auto mb, float* block) {
-      const SuperBlockScales source{s + t * tile_blocks, z + t * tile_blocks, u + t * tile_groups, v + t * tile_groups};
-      int4_tile<decltype(mb)::value>(w + t * tile_bytes, source, a, dim, m0, block);
-    });
+  return weight_only_product(x, outputs, dim, [&](const QuantizedRows& a, int64_t t, int64_t m0, auto mb, float* out) {
+    const SuperBlockScales source{s + t * tile_blocks, z + t * tile_blocks, u + t * tile_groups, v + t * tile_groups};
+    int4_tile<decltype(mb)::value>(w + t * tile_bytes, source, a, dim, m0, out);
   });
-  return out;
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
@@ -557,20 +557,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   check_rows(x, dim);
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == outputs * (dim / kGroup),
               "int8_linear: scales [N/16, K/32, 16] float16");
-  const int64_t rows = x.size(0);
-  at::Tensor out = at::empty({rows, outputs}, x.options());
-  if (rows == 0) return out;
   const auto* w = codes.data_ptr<int8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const int64_t tile_bytes = dim / 4 * 64, tile_groups = dim / kGroup * kTile;
-  by_dtype(x, [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, dim);
-    run_tiles(rows, outputs, out.data_ptr<scalar_t>(), [&](int64_t t, int64_t m0, auto mb, float* block) {
-      int8_tile<decltype(mb)::value>(w + t * tile_bytes, s + t * tile_groups, a, dim, m0, block);
-    });
+  return weight_only_product(x, outputs, dim, [&](const QuantizedRows& a, int64_t t, int64_t m0, auto mb, float* out) {
+    int8_tile<decltype(mb)::value>(w + t * tile_bytes, s + t * tile_groups, a, dim, m0, out);
   });
-  return out;
 }
 
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
@@ -580,20 +572,12 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   check_rows(x, dim);
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == outputs * (dim / 16),
               "int6_linear: scales [N/16, K/16, 16] float16");
-  const int64_t rows = x.size(0);
-  at::Tensor out = at::empty({rows, outputs}, x.options());
-  if (rows == 0) return out;
   const auto* w = codes.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const int64_t tile_bytes = dim / 16 * 192, tile_blocks = dim / 16 * kTile;
-  by_dtype(x, [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const QuantizedRows a = quantize_rows(x.data_ptr<scalar_t>(), rows, dim);
-    run_tiles(rows, outputs, out.data_ptr<scalar_t>(), [&](int64_t t, int64_t m0, auto mb, float* block) {
-      int6_tile<decltype(mb)::value>(w + t * tile_bytes, s + t * tile_blocks, a, dim, m0, block);
-    });
+  return weight_only_product(x, outputs, dim, [&](const QuantizedRows& a, int64_t t, int64_t m0, auto mb, float* out) {
+    int6_tile<decltype(mb)::value>(w + t * tile_bytes, s + t * tile_blocks, a, dim, m0, out);
   });
-  return out;
 }
 
 // x with each group of kGroup inputs rounded as the kernels round a token row (q * scale, in

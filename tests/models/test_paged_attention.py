@@ -89,9 +89,9 @@ def layout_for(tables, starts, lens, block_size, paged_limits=()):
     return plan.resolve(buf.upload(torch.device("cpu")), "l")
 
 
-def test_attend_reads_decode_rows_in_place_and_leaves_verify_rows_to_sdpa(kernel, monkeypatch):
+def test_attend_reads_decode_rows_in_place_and_verify_rows_up_to_their_limit(kernel, monkeypatch):
     rng = random.Random(0)
-    block_size, starts, lens = 4, [9, 3, 20, 6], [1, 1, 5, 3]  # two decode rows, two verify rows
+    block_size, starts, lens = 4, [9, 3, 20, 6], [1, 1, 5, 3]  # two decode rows; a verify group of 2 rows, 5 queries
     k_pool, v_pool, tables = pool_and_tables(rng, starts, lens, block_size, 2, 8, torch.float32)
     q = torch.randn(sum(lens), 4, 8)
     calls: list[int] = []
@@ -100,10 +100,16 @@ def test_attend_reads_decode_rows_in_place_and_leaves_verify_rows_to_sdpa(kernel
         paged_attention, "paged_attention", lambda query, *a: calls.append(len(query)) or real(query, *a)
     )
     paged_attention.use(True)
-    got = attend(layout_for(tables, starts, lens, block_size), q, k_pool, v_pool, 8**-0.5)
-    assert calls == [2]  # the decode group's two queries; the verify group went to SDPA
     want = reference(q, k_pool, v_pool, tables, starts, lens, block_size, 8**-0.5)
-    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    # the verify group (2 rows) reads in place up to its limit (the second: groups of 2-4 rows), else SDPA
+    for limits, read in [((), [2]), ((8, 5), [2, 8]), ((8, 4), [2]), ((5,), [2, 8])]:
+        calls.clear()
+        got = attend(layout_for(tables, starts, lens, block_size, limits), q, k_pool, v_pool, 8**-0.5)
+        assert calls == read, limits
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert [paged_limit((8, 6, 4), rows) for rows in (1, 2, 4, 5, 16, 40)] == [8, 6, 6, 4, 4, 4]
+    assert paged_limit((), 1) == 1
+    got = attend(layout_for(tables, starts, lens, block_size), q, k_pool, v_pool, 8**-0.5)
     paged_attention.use(False)
     calls.clear()
     gathered = attend(layout_for(tables, starts, lens, block_size), q, k_pool, v_pool, 8**-0.5)
@@ -142,28 +148,8 @@ def test_a_decode_row_reads_the_same_alone_as_among_others(kernel):
         assert torch.equal(alone[0], together[row])
 
 
-def test_verify_rows_read_in_place_up_to_the_limit_for_their_rows(kernel, monkeypatch):
-    rng = random.Random(3)
-    block_size, starts, lens = 4, [9, 3, 20, 6], [1, 1, 5, 3]  # two decode rows; a verify group of 2 rows, 5 queries
-    k_pool, v_pool, tables = pool_and_tables(rng, starts, lens, block_size, 2, 8, torch.float32)
-    q = torch.randn(sum(lens), 4, 8)
-    calls: list[int] = []
-    real = paged_attention.paged_attention
-    monkeypatch.setattr(
-        paged_attention, "paged_attention", lambda query, *a: calls.append(len(query)) or real(query, *a)
-    )
-    paged_attention.use(True)
-    want = reference(q, k_pool, v_pool, tables, starts, lens, block_size, 8**-0.5)
-    for limits, read in [((8, 5), [2, 8]), ((8, 4), [2]), ((5,), [2, 8]), ((), [2])]:  # 2 rows: the second limit
-        calls.clear()
-        got = attend(layout_for(tables, starts, lens, block_size, limits), q, k_pool, v_pool, 8**-0.5)
-        assert calls == read, limits
-        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
-    assert [paged_limit((8, 6, 4), rows) for rows in (1, 2, 4, 5, 16, 40)] == [8, 6, 6, 4, 4, 4]
-    assert paged_limit((), 1) == 1
-
-
 def test_the_limits_are_timed_once_per_shape_and_only_where_the_kernel_runs(kernel, monkeypatch):
+    monkeypatch.setattr("models.kv_cache._PAGED_LIMITS", {})  # none timed yet in this process
     paged_attention.use(False)
     assert tune_paged_limits(4, 2, 16, torch.float32) == ()
     paged_attention.use(True)
