@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -394,7 +392,7 @@ def _attend_group(group: AttentionGroup, q, k_pool, v_pool, scaling, sliding_win
     grid = grid.transpose(1, 2)  # [S, H, max_q, D]
     key, value = group.keys_values(k_pool, v_pool)  # [KVH, S, num_keys, D]
     if _prefers_grouped(q, s, max_q, group.num_keys):
-        out = _grouped_attention(grid, key, value, group.mask(sliding_window), scaling)
+        out = grouped_attention(grid, key, value, group.mask(sliding_window), scaling)
     else:
         key, value = key.transpose(0, 1), value.transpose(0, 1)  # [S, KVH, num_keys, D]
         gqa = key.shape[1] != num_heads
@@ -426,68 +424,25 @@ def _attend_group(group: AttentionGroup, q, k_pool, v_pool, scaling, sliding_win
 
 def _prefers_grouped(query, num_rows: int, max_q: int, max_kv: int) -> bool:
     """Two plain matmuls instead of SDPA, for decode- and verify-shaped work in bf16/fp16 on a
-    CPU where `tune_attention` found them faster. SDPA's reduced-precision CPU kernels vary with
-    the machine and the torch build: on a 2-core AMX Xeon with torch 2.13, SDPA ran batch-1 decode
-    over 300 keys in 26 us against 97, where an earlier machine had measured 219 us against 69."""
-    if query.device.type != "cpu" or query.dtype == torch.float32 or not _GROUPED.get(query.dtype, False):
+    CPU where `attention_timing.tune_attention` found them faster. SDPA's reduced-precision CPU
+    kernels vary with the machine and the torch build: on a 2-core AMX Xeon with torch 2.13, SDPA
+    ran batch-1 decode over 300 keys in 26 us against 97, where an earlier machine had measured
+    219 us against 69."""
+    if query.device.type != "cpu" or query.dtype == torch.float32 or not GROUPED.get(query.dtype, False):
         return False
     return max_q < 32 and num_rows * max_kv > 160
 
 
-# Per dtype: whether the grouped matmuls beat SDPA on this CPU (`tune_attention`); absent: SDPA.
-_GROUPED: dict[torch.dtype, bool] = {}
-# (rows, new tokens per row, keys): batch-1 and batch-8 decode, a batch of 4 verifies.
-TUNED_SHAPES = ((1, 1, 512), (8, 1, 512), (4, 5, 512))
-
-
-@torch.inference_mode()
-def tune_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """Time SDPA against the grouped matmuls on decode and verify shapes of this model's heads,
-    once per process and dtype (CPU, reduced precision only); True where grouped wins by 5%."""
-    if dtype == torch.float32 or dtype in _GROUPED:
-        return _GROUPED.get(dtype, False)
-    started = time.perf_counter()
-    totals = {"sdpa": 0.0, "grouped": 0.0}
-    for rows, new, keys in TUNED_SHAPES:
-        q = torch.randn(rows, num_heads, new, head_dim, dtype=dtype)
-        k = torch.randn(num_kv_heads, rows, keys, head_dim, dtype=dtype)
-        v = torch.randn_like(k)
-        mask = torch.ones(rows, 1, new, keys, dtype=torch.bool).tril(keys - new)
-        gqa = num_kv_heads != num_heads
-        runs = {
-            "sdpa": partial(
-                F.scaled_dot_product_attention, q, k.transpose(0, 1), v.transpose(0, 1), mask, enable_gqa=gqa
-            ),
-            "grouped": partial(_grouped_attention, q, k, v, mask, None),
-        }
-        for run in runs.values():
-            run()
-        for _ in range(5):  # interleaved: a slow moment hurts both alike
-            for name, run in runs.items():
-                start = time.perf_counter()
-                for _ in range(10):
-                    run()
-                totals[name] += time.perf_counter() - start
-    grouped = _GROUPED[dtype] = totals["grouped"] < 0.95 * totals["sdpa"]
-    logger.info(
-        "attention (%s): %s (grouped matmuls / SDPA %.2f; timed in %.1fs)",
-        str(dtype).removeprefix("torch."),
-        "grouped matmuls" if grouped else "SDPA",
-        totals["grouped"] / totals["sdpa"],
-        time.perf_counter() - started,
-    )
-    return grouped
+# Per dtype: whether the grouped matmuls beat SDPA on this CPU (`attention_timing.tune_attention`);
+# absent: SDPA.
+GROUPED: dict[torch.dtype, bool] = {}
 
 
 # Queries a row up to which a group reads the pool in place (the paged kernel), per number of
-# rows: limits[i] for groups of up to PAGED_ROWS[i] rows (`tune_paged_limits`). Empty: decode
-# rows only.
+# rows: limits[i] for groups of up to PAGED_ROWS[i] rows (`models.attention_timing`). Empty:
+# decode rows only.
 PagedLimits = tuple[int, ...]
 PAGED_ROWS = (1, 4, 16)  # more rows than the last: its limit
-PAGED_QUERIES = range(2, 9)  # verify rows of K = 1..7 drafts
-PAGED_CONTEXT = 384  # keys each timed row reads
-PAGED_BLOCK_SIZE = 16  # the pool's blocks as timed (`RunnerConfig.block_size`'s default)
-_PAGED_LIMITS: dict[tuple[int, int, int, torch.dtype], PagedLimits] = {}
 
 
 def paged_limit(limits: PagedLimits, rows: int) -> int:
@@ -498,65 +453,7 @@ def paged_limit(limits: PagedLimits, rows: int) -> int:
     return limits[-1] if limits else 1
 
 
-@torch.inference_mode()
-def tune_paged_limits(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> PagedLimits:
-    """Per PAGED_ROWS, the most queries a row for which the paged kernel reads a verify group
-    faster than the gather and SDPA on this CPU, for this model's heads. It depends on the heads,
-    the rows and the machine: on a 2-core EPYC the kernel read one Qwen2.5-Coder-1.5B verify row
-    of 2-8 queries (12 heads of 128 over 2 kv heads) in 0.46-0.76 of the gather's time, and 16
-    rows of 4 in 0.96. Timed once per process and shape over PAGED_CONTEXT keys, interleaved,
-    the fastest of 7 tries each; each count stops at the first number of queries where the
-    kernel is not 5% faster."""
-    if not paged_attention.enabled() or head_dim > paged_attention.MAX_HEAD_DIM:
-        return ()
-    key = (num_heads, num_kv_heads, head_dim, dtype)
-    if key in _PAGED_LIMITS:
-        return _PAGED_LIMITS[key]
-    started = time.perf_counter()
-    blocks = blocks_for(PAGED_CONTEXT, PAGED_BLOCK_SIZE)
-    pool = torch.randn(num_kv_heads, max(PAGED_ROWS) * blocks * PAGED_BLOCK_SIZE, head_dim, dtype=dtype)
-    values = torch.randn_like(pool)
-    tables = [list(range(r * blocks, (r + 1) * blocks)) for r in range(max(PAGED_ROWS))]
-    limits, ratios = [], []
-    for rows in PAGED_ROWS:
-        limit = 1
-        for queries in PAGED_QUERIES:
-            q = torch.randn(rows * queries, num_heads, head_dim, dtype=dtype)
-            starts, lens = [PAGED_CONTEXT - queries] * rows, [queries] * rows
-            layouts = {
-                paged: StepLayout.build(tables[:rows], starts, lens, PAGED_BLOCK_SIZE, torch.device("cpu"), (paged,))
-                for paged in (queries, 1)
-            }
-            for layout in layouts.values():
-                attend(layout, q, pool, values, None)
-            best = dict.fromkeys(layouts, float("inf"))
-            for _ in range(7):  # interleaved, the fastest of each: a slow moment hurts neither
-                for paged, layout in layouts.items():
-                    start = time.perf_counter()
-                    for _ in range(3):
-                        attend(layout, q, pool, values, None)
-                    best[paged] = min(best[paged], time.perf_counter() - start)
-            ratio = best[queries] / best[1]
-            ratios.append(f"{rows}x{queries}: {ratio:.2f}")
-            if ratio >= 0.95:
-                break
-            limit = queries
-        limits.append(limit)
-    _PAGED_LIMITS[key] = result = tuple(limits)
-    logger.info(
-        "attention (%d heads of %d): verify groups of %s rows read the pool in place up to %s queries a row "
-        "(paged / gather %s; timed in %.1fs)",
-        num_heads,
-        head_dim,
-        "/".join(map(str, PAGED_ROWS)),
-        "/".join(map(str, result)),
-        ", ".join(ratios),
-        time.perf_counter() - started,
-    )
-    return result
-
-
-def _grouped_attention(q, key, value, mask, scaling):
+def grouped_attention(q, key, value, mask, scaling):
     """Plain attention with GQA folded into the query axis, softmax in float32.
     q [S, H, max_q, D]; key/value [KVH, S, L, D] as read from the pool."""
     num_rows, num_heads, max_q, head_dim = q.shape

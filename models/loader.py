@@ -32,9 +32,10 @@ from transformers import (
 )
 
 from models import catalogue, cpu_kernels, layer_ops, paged_attention, weights
+from models.attention_timing import tune_attention, tune_paged_limits
 from models.forward import lean_forward
 from models.gguf_cache import GGUFCache, cache_path
-from models.kv_cache import KVCache, PagedLimits, tune_attention, tune_paged_limits
+from models.kv_cache import KVCache, PagedLimits
 from models.linear_kernels import (
     DENSE,
     INVARIANT,
@@ -118,8 +119,8 @@ class LoadedModel:
     # float32 with quantized layers: every step size computes a token alike (`_step_invariant`).
     step_invariant: bool = False
     # Queries a row up to which attention reads the KV pool in place (the paged kernel), by the
-    # group's rows, learned at load for this model's heads (`kv_cache.tune_paged_limits`; empty:
-    # decode rows only).
+    # group's rows, learned at load for this model's heads (`attention_timing.tune_paged_limits`;
+    # empty: decode rows only).
     paged_limits: PagedLimits = ()
 
 

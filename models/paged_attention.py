@@ -1,6 +1,6 @@
 """Paged attention that reads the KV pool in place, for decode rows on CPU, and verify rows of up
 to `LoadedModel.paged_limits` queries where it beat the gather at load
-(`models.kv_cache.tune_paged_limits`).
+(`models.attention_timing.tune_paged_limits`).
 
 `models.kv_cache` otherwise gathers every row's blocks into a padded copy per layer and
 SDPA reads that copy again: three passes over the rows' KV where attention needs one. At 32

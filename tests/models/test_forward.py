@@ -142,7 +142,7 @@ def test_grouped_attention_matches_sdpa(dtype):
     """The low-precision CPU path computes the same attention as SDPA (GQA, ragged causal mask)."""
     import torch.nn.functional as F
 
-    from models.kv_cache import StepLayout, _grouped_attention
+    from models.kv_cache import StepLayout, grouped_attention
 
     g = torch.Generator().manual_seed(0)
     layout = StepLayout.build(tables(0, 1, 2), [40, 7, 50], [2, 5, 3], BLOCK, torch.device("cpu"))
@@ -154,7 +154,7 @@ def test_grouped_attention_matches_sdpa(dtype):
     expected = F.scaled_dot_product_attention(
         q.float(), k.float().transpose(0, 1), v.float().transpose(0, 1), attn_mask=mask, scale=0.25, enable_gqa=True
     )
-    actual = _grouped_attention(q, k, v, mask, 0.25).float()
+    actual = grouped_attention(q, k, v, mask, 0.25).float()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from models import paged_attention
-from models.kv_cache import PAGED_ROWS, LayoutPlan, attend, paged_limit, tune_paged_limits
+from models.attention_timing import tune_paged_limits
+from models.kv_cache import PAGED_ROWS, LayoutPlan, attend, paged_limit
 from models.transfer import HostBuffer
 
 
@@ -149,12 +150,12 @@ def test_a_decode_row_reads_the_same_alone_as_among_others(kernel):
 
 
 def test_the_limits_are_timed_once_per_shape_and_only_where_the_kernel_runs(kernel, monkeypatch):
-    monkeypatch.setattr("models.kv_cache._PAGED_LIMITS", {})  # none timed yet in this process
+    monkeypatch.setattr("models.attention_timing._PAGED_LIMITS", {})  # none timed yet in this process
     paged_attention.use(False)
     assert tune_paged_limits(4, 2, 16, torch.float32) == ()
     paged_attention.use(True)
     limits = tune_paged_limits(4, 2, 16, torch.float32)
     assert len(limits) == len(PAGED_ROWS) and all(1 <= limit <= 8 for limit in limits)
-    monkeypatch.setattr("models.kv_cache.attend", lambda *a: pytest.fail("timed twice"))
+    monkeypatch.setattr("models.attention_timing.attend", lambda *a: pytest.fail("timed twice"))
     assert tune_paged_limits(4, 2, 16, torch.float32) == limits
     assert tune_paged_limits(4, 2, paged_attention.MAX_HEAD_DIM + 32, torch.float32) == ()
