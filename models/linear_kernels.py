@@ -42,7 +42,8 @@ logger = logging.getLogger("specd.models")
 # Token counts timed; a step of M tokens takes the choice of the largest rung <= M. Every count
 # up to 32 (decode and verify steps), as BLAS kernels switch at odd sizes (on the AVX2 CPU
 # above, 8 rows ran in 0.89 of the time transposed and 11 in 1.05); past the last rung (long
-# prefill chunks) the standard layout runs.
+# prefill chunks) the last rung's choice where it is the weight-only kernel (its time grows
+# row by row, as a compute-bound dense product's does), else the standard layout.
 RUNGS = (*range(1, 33), 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # Weights timed per pass: enough bytes that they stream from memory as in a real step, not
 # from cache (a few layers of a small model, or the first rows of its output projection; all
@@ -53,13 +54,14 @@ SAMPLE_BYTES = 64 << 20
 # was most of the tuning time, costs a quarter.
 LADDER_FROM, LADDER_SAMPLE_BYTES = 33, SAMPLE_BYTES // 4
 REPEATS = 3
-# The weight-only kernel (a layer's quantized copy) is timed up to this many rows: it reads the
-# weights once for every row, but spends an integer dot product per row per weight, so its cost
-# grows with the rows (17920 x 1536 int4 on a 2-core AMX Xeon, warm: 0.46 ms at 1 row, 0.94 at
-# 8, 1.9 at 16, where a dense bf16 product took 2.6-2.9 at each); past 16 a dense product won
-# on every CPU measured. Those rungs are timed cold: a decode step streams every weight from
-# memory, and a sample warm in a large last-level cache (300 MiB on a Xeon measured) flattered
-# the dense layouts, which read 2-4x the bytes.
+# The weight-only kernel (a layer's quantized copy) is timed at every rung, and up to this many
+# rows it is timed cold: a decode step streams every weight from memory, and a sample warm in a
+# large last-level cache (300 MiB on a Xeon measured) flattered the dense layouts, which read 2-4x
+# the bytes; past it the product is compute-bound, and the integer dot products (64 a VNNI
+# instruction) race the dense bf16 ones. Which wins is the CPU's: on a 2-core AMX Xeon a dense
+# product won past 16 rows (17920 x 1536 int4, warm: 1.9 ms at 16 rows against 2.6-2.9 dense);
+# on a 2-core Zen 4 without AMX the kernel won at every rung, 0.7x the packed bf16 product's
+# time at 64-256 rows (Qwen2.5-Coder-1.5B's int4k products).
 QUANTIZED_ROWS = 16
 # The transposed layout must beat the standard one by this much: a tie is not worth a change.
 MIN_GAIN = 0.05
@@ -132,7 +134,7 @@ class KernelTable:
                 text += f" ({min(ratios):.2f}-{max(ratios):.2f} of the time)"
             parts.append(text)
             i = j + 1
-        return f"{'; '.join(parts)}; x @ W^T above {RUNGS[-1]} (tuned in {self.seconds:.1f}s)"
+        return f"{'; '.join(parts)}; {names[self.beyond]} above {RUNGS[-1]} (tuned in {self.seconds:.1f}s)"
 
 
 STANDARD = KernelTable()
@@ -347,8 +349,8 @@ def tune(layers: Iterable[Any], timer: Timer = wall_seconds, dense_only: bool = 
         timed = sample if m < LADDER_FROM else ladder_sample
         candidates: tuple[int, ...] = (TRANSPOSED, PADDED) if m == 1 else (TRANSPOSED,)
         candidates += (PACKED,) if packing else ()
+        candidates += (QUANTIZED,) if quantized else ()
         cold = quantized and m <= QUANTIZED_ROWS
-        candidates += (QUANTIZED,) if cold else ()
 
         def run(layout: int, rows=rows, timed=timed) -> Callable[[], None]:
             def passes() -> None:
@@ -372,7 +374,8 @@ def tune(layers: Iterable[Any], timer: Timer = wall_seconds, dense_only: bool = 
         chosen = best if ratio < 1.0 - MIN_GAIN else STANDARD_LAYOUT
         layouts.append(chosen)
         ratios.append(round(ratio if chosen != STANDARD_LAYOUT else 1.0, 3))
-    return KernelTable(tuple(layouts), tuple(ratios), time.perf_counter() - started)
+    beyond = QUANTIZED if layouts[-1] == QUANTIZED else STANDARD_LAYOUT
+    return KernelTable(tuple(layouts), tuple(ratios), time.perf_counter() - started, beyond)
 
 
 @lru_cache(maxsize=1)

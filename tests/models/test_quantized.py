@@ -165,25 +165,35 @@ def quantized_layer(fmt: str, n: int = 64, k: int = 128) -> TunedLinear:
     return layer
 
 
-def test_the_tuner_offers_the_weight_only_kernel_at_small_steps_and_times_them_cold(monkeypatch):
+def test_the_tuner_times_the_weight_only_kernel_at_every_rung_and_small_steps_cold(monkeypatch):
     layers = [quantized_layer(INT4) for _ in range(3)]
     evictions = []
     monkeypatch.setattr(linear_kernels, "evict_caches", lambda: evictions.append(1))
     seen = []
+    limit = linear_kernels.QUANTIZED_ROWS
 
-    def timer(fn, layout, m):
+    def timer(fn, layout, m):  # an AMX CPU: the kernel wins decode steps, dense products prefill
         fn()
         seen.append((layout, m))
-        return 0.3 if layout == QUANTIZED else 1.0
+        return (0.3 if m <= limit else 1.5) if layout == QUANTIZED else 1.0
 
     table = tune(layers, timer)
-    limit = linear_kernels.QUANTIZED_ROWS
     assert [m for m in range(1, 300) if table.layout(m) == QUANTIZED] == list(range(1, limit + 1))
-    assert {m for layout, m in seen if layout == QUANTIZED} == set(range(1, limit + 1))
-    # Every timed pass of those rungs (every layout's) followed an eviction; the rest none.
+    assert table.layout(RUNGS[-1] + 1) == STANDARD_LAYOUT and "x @ W^T above" in table.describe()
+    assert {m for layout, m in seen if layout == QUANTIZED} == set(RUNGS)
+    # Every timed pass of the small rungs (every layout's) followed an eviction; the rest none.
     assert len(evictions) == sum(1 for _, m in seen if m <= limit)
     dense = tune([nn.Linear(128, 64) for _ in range(3)], timer)
     assert not dense.uses(QUANTIZED)
+
+
+def test_where_the_weight_only_kernel_wins_every_rung_it_runs_past_the_last(monkeypatch):
+    """A CPU without AMX: its integer dot products beat the dense bf16 ones at prefill sizes too,
+    and a longer chunk than the last rung keeps the kernel (both costs grow row by row)."""
+    monkeypatch.setattr(linear_kernels, "evict_caches", lambda: None)
+    table = tune([quantized_layer(INT4) for _ in range(2)], lambda fn, layout, m: 0.7 if layout == QUANTIZED else 1.0)
+    assert all(table.layout(m) == QUANTIZED for m in (1, 16, 17, 64, RUNGS[-1], RUNGS[-1] + 1, 4096))
+    assert table.describe().endswith(f"weight-only above {RUNGS[-1]} (tuned in {table.seconds:.1f}s)")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
