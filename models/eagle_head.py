@@ -328,4 +328,9 @@ def held_out_rates(training: dict | None) -> tuple[float, ...]:
 
 
 def _output_weight(model) -> torch.Tensor:
-    return model.get_output_embeddings().weight.detach()
+    """The target's output projection, dense: from its quantized copy where serving freed the
+    dense weight (`ModelConfig.keep_dense_weights`)."""
+    output = model.get_output_embeddings()
+    if output.weight.is_meta:
+        return output.quantized_weight.dense(output.weight.dtype)
+    return output.weight.detach()

@@ -78,6 +78,21 @@ def forward_step(
     return logits.float() if float_logits else logits
 
 
+def refuse_transformers_forward(model) -> None:
+    """Make transformers' own forward of `model` (and of its decoder) raise: the loader freed dense
+    weights it would read (`ModelConfig.keep_dense_weights`). A meta weight would not stop it: a
+    CPU product with one returned a tensor of unset values instead of failing."""
+
+    def refuse(module, args) -> None:
+        raise RuntimeError(
+            f"{type(module).__name__}'s dense weights were freed for serving (keep_dense_weights=False): "
+            "only specd's own forward runs it"
+        )
+
+    model.register_forward_pre_hook(refuse)
+    model.get_decoder().register_forward_pre_hook(refuse)
+
+
 @torch.inference_mode()
 def hf_forward_step(
     model, cache: KVCache, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor | int

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -113,6 +114,11 @@ class KernelTable:
 
     def uses(self, layout: int) -> bool:
         return layout in self.layouts
+
+    @property
+    def weight_only(self) -> bool:
+        """Every step size runs the weight-only kernel: the dense weight is never read."""
+        return bool(self.layouts) and self.beyond == QUANTIZED and all(x == QUANTIZED for x in self.layouts)
 
     def layout(self, num_tokens: int) -> int:
         return self._by_tokens[num_tokens] if num_tokens <= RUNGS[-1] else self.beyond
@@ -307,6 +313,30 @@ def transposed_linear(
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def drop_dense(layer: nn.Module) -> bool:
+    """Free `layer`'s dense weight where its table runs the weight-only kernel at every step size
+    (True if it did): the weight becomes a meta tensor, its shape without storage. A table with
+    a dense layout is refused from then on (`install`); transformers' forward is the loader's to
+    refuse (`models.forward.refuse_transformers_forward`)."""
+    if not isinstance(layer, TunedLinear) or layer.quantized_weight is None or not layer.kernel_table.weight_only:
+        return False
+    layer.weight = nn.Parameter(dense_placeholder(layer.weight), requires_grad=False)
+    return True
+
+
+def check_dense_kept(weight: torch.Tensor, table: KernelTable) -> None:
+    """Raise where `table` would read a dense weight `drop_dense` freed."""
+    if weight.is_meta and not table.weight_only:
+        raise RuntimeError(
+            "a layer whose dense weight was freed (keep_dense_weights=False) runs only its weight-only kernel"
+        )
+
+
+def dense_placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """A weight's shape and dtype on the meta device: what stands for a dropped dense weight."""
+    return torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+
+
 def linear_layers(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
@@ -344,6 +374,7 @@ def tune(layers: Iterable[Any], timer: Timer = wall_seconds, dense_only: bool = 
     quantized = all(q is not None for _, _, q in sample)
     packed = {id(timed): [pack(w) if packing else None for w, _, _ in timed] for timed in (sample, ladder_sample)}
     layouts, ratios = [], []
+    chosen_seconds, weight_only_seconds, standard_seconds = [], [], []  # per rung, the medians
     for m in RUNGS:
         rows = {n: x[:m] for n, x in inputs.items()}
         timed = sample if m < LADDER_FROM else ladder_sample
@@ -374,6 +405,15 @@ def tune(layers: Iterable[Any], timer: Timer = wall_seconds, dense_only: bool = 
         chosen = best if ratio < 1.0 - MIN_GAIN else STANDARD_LAYOUT
         layouts.append(chosen)
         ratios.append(round(ratio if chosen != STANDARD_LAYOUT else 1.0, 3))
+        chosen_seconds.append(median[chosen])
+        weight_only_seconds.append(median.get(QUANTIZED, math.inf))
+        standard_seconds.append(median[STANDARD_LAYOUT])
+    if quantized and sum(weight_only_seconds) <= (1.0 + MIN_GAIN) * sum(chosen_seconds):
+        # A tie over the whole ladder goes to the weight-only kernel at every step size: the
+        # dense weight (and any packed copy) then need not stay in memory (`drop_dense`), and a
+        # rung or two won by a dense layout on a noisy pass does not keep them.
+        layouts = [QUANTIZED] * len(RUNGS)
+        ratios = [round(q / max(s, 1e-12), 3) for q, s in zip(weight_only_seconds, standard_seconds)]
     beyond = QUANTIZED if layouts[-1] == QUANTIZED else STANDARD_LAYOUT
     return KernelTable(tuple(layouts), tuple(ratios), time.perf_counter() - started, beyond)
 
@@ -493,6 +533,7 @@ def install(layers: Iterable[nn.Linear], table: KernelTable) -> None:
         if type(layer) is nn.Linear:
             layer.__class__ = TunedLinear
         if isinstance(layer, TunedLinear):
+            check_dense_kept(layer.weight, table)
             layer.kernel_table = table
             if packs and layer.packed_weight is None:
                 layer.packed_weight = pack(layer.weight)

@@ -28,7 +28,18 @@ from torch import nn
 
 from models import layer_ops
 from models.kv_cache import KVCache, StepLayout, attend, text_config
-from models.linear_kernels import PACKED, STANDARD, KernelTable, ModelKernels, TunedLinear, linear, pack
+from models.linear_kernels import (
+    PACKED,
+    STANDARD,
+    KernelTable,
+    ModelKernels,
+    TunedLinear,
+    check_dense_kept,
+    dense_placeholder,
+    drop_dense,
+    linear,
+    pack,
+)
 from models.quantized import QuantizedWeight, concatenate
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -76,6 +87,7 @@ class Projection:
         self.use_table(table)
 
     def use_table(self, table: KernelTable) -> None:
+        check_dense_kept(self.weight, table)
         self.table = table
         self.packed = pack(self.weight) if table.uses(PACKED) else None
         for layer in self.members:
@@ -86,6 +98,16 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.table.layout(x.shape[0]), self.packed, self.quantized_weight)
+
+    def drop_dense(self) -> bool:
+        """Free the fused dense weight (and so the members' views of it) where the table runs the
+        weight-only kernel at every step size (`linear_kernels.drop_dense`)."""
+        if self.quantized_weight is None or not self.table.weight_only:
+            return False
+        self.weight = dense_placeholder(self.weight)
+        for layer in self.members:
+            layer.weight = nn.Parameter(dense_placeholder(layer.weight), requires_grad=False)
+        return True
 
 
 @dataclass
@@ -140,6 +162,15 @@ class LlamaForward:
     def fused_tensors(self) -> list[torch.Tensor | None]:
         """The fused products' dense and packed weights (outside the model's modules too)."""
         return [t for layer in self.layers for p in (layer.qkv, layer.gate_up) for t in (p.weight, p.packed)]
+
+    def drop_dense(self) -> int:
+        """Free the dense weights no step reads: those of the quantized products (the output
+        projection's too) whose tables run the weight-only kernel at every step size. Serving
+        needs nothing else; transformers' own forward and training can no longer run the model.
+        Returns how many products dropped theirs."""
+        dropped = [p.drop_dense() for layer in self.layers for p in (layer.qkv, layer.gate_up)]
+        dropped += [drop_dense(m) for layer in self.layers for m in (layer.o_proj, layer.down_proj)]
+        return sum(dropped) + drop_dense(self.lm_head)
 
     def use_kernels(self, kernels: ModelKernels) -> None:
         """The fused products follow their tuned tables (o_proj and down_proj are the model's own

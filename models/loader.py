@@ -33,7 +33,7 @@ from transformers import (
 
 from models import catalogue, cpu_kernels, layer_ops, paged_attention, weights
 from models.attention_timing import tune_attention, tune_paged_limits
-from models.forward import lean_forward
+from models.forward import lean_forward, refuse_transformers_forward
 from models.gguf_cache import GGUFCache, cache_path
 from models.kv_cache import KVCache, PagedLimits
 from models.linear_kernels import (
@@ -84,6 +84,10 @@ class ModelConfig:
     # Fixed-size GEMM calls and paged attention for every row: a token's bits do not depend on
     # its step's other rows (linear_kernels.INVARIANT, paged_attention.everywhere).
     batch_invariant: bool = False
+    # False: free the dense weights of quantized layers that run the weight-only kernel at every
+    # step size (`LlamaForward.drop_dense`), as serving does; transformers' own forward, training
+    # and benchmarks that switch kernel tables need them kept.
+    keep_dense_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -122,6 +126,7 @@ class LoadedModel:
     # group's rows, learned at load for this model's heads (`attention_timing.tune_paged_limits`;
     # empty: decode rows only).
     paged_limits: PagedLimits = ()
+    keep_dense_weights: bool = True  # as loaded (`ModelConfig.keep_dense_weights`): a draft model loads alike
 
 
 def default_cache_dir() -> Path:
@@ -201,6 +206,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             install_model(model, kernels)
     if lean is not None:
         lean.use_kernels(kernels)
+        if not cfg.keep_dense_weights and lean.drop_dense():
+            refuse_transformers_forward(model)
     # Attention's layouts for verify rows and prefill chunks: unused where every row is paged.
     if cfg.tune_kernels and device.type == "cpu" and not (cfg.batch_invariant or step_invariant):
         tune_attention(*KVCache.heads(model.config), dtype)
@@ -224,6 +231,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         batch_invariant=cfg.batch_invariant,
         step_invariant=step_invariant,
         paged_limits=paged_limits,
+        keep_dense_weights=cfg.keep_dense_weights,
     )
     dense_bytes, quantized_bytes = footprint(
         model, lean.fused_copies() if lean else (), lean.fused_tensors() if lean else ()

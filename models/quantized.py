@@ -424,6 +424,8 @@ def footprint(
     packed = [getattr(m, "packed_weight", None) for m in model.modules()]
     tensors = list(model.parameters()) + list(model.buffers()) + [t for t in (*packed, *extra) if t is not None]
     for tensor in tensors:
+        if tensor.is_meta:  # a dense weight dropped where no step reads it (`linear_kernels.drop_dense`)
+            continue
         try:
             key = tensor.data_ptr()
         except RuntimeError:  # oneDNN's packed weights are opaque: no storage to point at

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -89,7 +89,8 @@ def build_components(settings: Settings) -> Components:
     from worker.builder import build_runner
     from worker.runner import RunnerConfig
 
-    loaded = load_model(model_config(settings))
+    # Serving never runs transformers' own forward: dense weights no step reads are freed.
+    loaded = load_model(replace(model_config(settings), keep_dense_weights=False))
     plain_encoder(loaded.tokenizer)  # built here, not on the preparation thread by the first escaped chat
     max_model_len = settings.max_model_len or min(DEFAULT_MAX_MODEL_LEN, loaded.max_position_embeddings)
     runner = build_runner(

@@ -32,6 +32,7 @@ def loaded_as(model: ModelConfig | LoadedModel) -> ModelConfig:
         cpu_attention="paged" if paged_attention.enabled() else "gather",
         weights=model.weights,
         batch_invariant=model.batch_invariant,
+        keep_dense_weights=model.keep_dense_weights,
     )
 
 

@@ -196,6 +196,33 @@ def test_where_the_weight_only_kernel_wins_every_rung_it_runs_past_the_last(monk
     assert table.describe().endswith(f"weight-only above {RUNGS[-1]} (tuned in {table.seconds:.1f}s)")
 
 
+def test_a_tie_over_the_ladder_goes_to_the_weight_only_kernel_at_every_step_size(monkeypatch):
+    monkeypatch.setattr(linear_kernels, "evict_caches", lambda: None)
+    # within MIN_GAIN of the fastest dense layout: the kernel runs every step size
+    table = tune([quantized_layer(INT4)], lambda fn, layout, m: 1.03 if layout == QUANTIZED else 1.0)
+    assert table.weight_only and table.describe().startswith("1-256 tokens: weight-only (1.03-1.03")
+    # a dense layout winning one rung (a noisy pass) does not keep the dense weight
+    table = tune([quantized_layer(INT4)], lambda fn, layout, m: 0.8 if (layout == QUANTIZED) != (m == 128) else 1.0)
+    assert table.weight_only
+    # a dense product well ahead on the prefill rungs keeps them
+    prefill_dense = lambda fn, layout, m: (0.5 if m <= 16 else 1.2) if layout == QUANTIZED else 1.0  # noqa: E731
+    table = tune([quantized_layer(INT4)], prefill_dense)
+    assert not table.weight_only and table.layout(16) == QUANTIZED and table.layout(17) == STANDARD_LAYOUT
+
+
+def test_drop_dense_frees_a_weight_only_where_no_step_size_reads_it():
+    layer = quantized_layer(INT4)
+    x = torch.randn(3, 128)
+    layer.kernel_table = linear_kernels.WEIGHT_ONLY_TABLE
+    expected = layer(x)
+    layer.kernel_table = linear_kernels.UNTUNED_QUANTIZED  # dense past 8 rows
+    assert not linear_kernels.drop_dense(layer) and not layer.weight.is_meta
+    layer.kernel_table = linear_kernels.WEIGHT_ONLY_TABLE
+    assert linear_kernels.drop_dense(layer) and layer.weight.is_meta and layer.weight.shape == (64, 128)
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+    assert not linear_kernels.drop_dense(nn.Linear(128, 64))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_quantized_layer_computes_the_same_product_in_every_layout(fmt):
     layer = quantized_layer(fmt)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from models import linear_kernels
 from models.forward import lean_forward
 from models.linear_kernels import QUANTIZED, KernelTable, TunedLinear, linear_layers
 from models.loader import ModelConfig, default_gguf_path, load_model
@@ -172,6 +173,47 @@ def test_every_step_size_serves_one_model(tiny_llama_dir, fmt):
     # close to the float model all the same (random weights: no structure for 4 bits to keep)
     bound = {"int8": 0.999, "int6": 0.99, "int4": 0.95}[fmt]
     assert torch.nn.functional.cosine_similarity(dense, float_logits, dim=0) > bound
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_serving_frees_the_dense_weights_no_step_reads_and_serves_the_same_model(tiny_llama_dir, tiny_draft_dir, fmt):
+    # float32 with quantized layers runs the weight-only kernel at every step size: no step reads
+    # the dense copies of the quantized products (the output projection's included).
+    kept = load(tiny_llama_dir, fmt, tune_kernels=False)
+    freed = load(tiny_llama_dir, fmt, tune_kernels=False, keep_dense_weights=False)
+    lean = lean_forward(freed.model)
+    dropped = 0
+    for layer in lean.layers:
+        for product in (layer.qkv, layer.gate_up):
+            assert product.weight.is_meta and all(member.weight.is_meta for member in product.members)
+            dropped += product.weight.numel() * product.weight.element_size()
+        for module in (layer.o_proj, layer.down_proj):
+            assert module.weight.is_meta
+            dropped += module.weight.numel() * module.weight.element_size()
+    output = freed.model.get_output_embeddings()
+    assert output.weight.is_meta and not freed.model.get_input_embeddings().weight.is_meta
+    dropped += output.weight.numel() * output.weight.element_size()
+    kept_dense, kept_quantized = footprint(kept.model, lean_forward(kept.model).fused_copies())
+    freed_dense, freed_quantized = footprint(freed.model, lean.fused_copies())
+    assert freed_quantized == kept_quantized and kept_dense - freed_dense == dropped
+    with pytest.raises(RuntimeError, match="freed"):  # transformers' own forward would read them
+        freed.model(input_ids=torch.tensor([[1, 2, 3]]))
+    with pytest.raises(RuntimeError, match="freed"):  # so would a table with a dense layout
+        lean.layers[0].gate_up.use_table(linear_kernels.UNTUNED_QUANTIZED)
+    tokenizer = kept.tokenizer
+    config = SchedulerConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256,
+                             eos_token_ids=kept.eos_token_ids, spec=SpecConfig(num_speculative_tokens=4))  # fmt: skip
+
+    def generate(target) -> list[list[int]]:  # the draft model loads as its target did
+        runner = build_runner(target, RunnerConfig(max_num_seqs=4, max_model_len=256),
+                              ProposerConfig("draft_model", str(tiny_draft_dir)))  # fmt: skip
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, speculation=True)
+        done = run_offline(runner, config, [Request(f"r{i}", tokenizer(p).input_ids, params) for i, p in
+                                            enumerate(PROMPTS)])  # fmt: skip
+        assert all(c.error is None for c in done) and sum(c.num_draft_tokens for c in done) > 0
+        return [c.token_ids for c in done]
+
+    assert generate(freed) == generate(kept)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int6", "int4"])
