@@ -31,7 +31,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from models import catalogue, cpu_kernels, layer_ops, paged_attention, weights
+from models import catalogue, cpu_kernels, host_memory, layer_ops, paged_attention, weights
 from models.attention_timing import tune_attention, tune_paged_limits
 from models.forward import lean_forward, refuse_transformers_forward
 from models.gguf_cache import GGUFCache, cache_path
@@ -208,6 +208,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         lean.use_kernels(kernels)
         if not cfg.keep_dense_weights and lean.drop_dense():
             refuse_transformers_forward(model)
+            host_memory.return_freed_pages()
     # Attention's layouts for verify rows and prefill chunks: unused where every row is paged.
     if cfg.tune_kernels and device.type == "cpu" and not (cfg.batch_invariant or step_invariant):
         tune_attention(*KVCache.heads(model.config), dtype)

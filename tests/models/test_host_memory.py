@@ -1,7 +1,8 @@
-"""models.host_memory: the KV pool's allocation on huge pages."""
+"""models.host_memory: the KV pool's allocation on huge pages; freed heap pages returned."""
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,9 @@ def test_kv_pools_are_one_allocation_with_separate_layers():
     assert cache.keys[1].all() and not cache.keys[0].any() and not cache.keys[2].any()
     assert not any(v.any() for v in cache.values)
     assert cache.num_bytes == 2 * 3 * 2 * 32 * 16 * 4
+
+
+def test_freed_heap_pages_go_back_to_the_os_under_glibc():
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+    assert host_memory.return_freed_pages()
