@@ -318,10 +318,15 @@ def drop_dense(layer: nn.Module) -> bool:
     (True if it did): the weight becomes a meta tensor, its shape without storage. A table with
     a dense layout is refused from then on (`install`); transformers' forward is the loader's to
     refuse (`models.forward.refuse_transformers_forward`)."""
-    if not isinstance(layer, TunedLinear) or layer.quantized_weight is None or not layer.kernel_table.weight_only:
+    if not isinstance(layer, TunedLinear) or not reads_no_dense(layer.quantized_weight, layer.kernel_table):
         return False
-    layer.weight = nn.Parameter(dense_placeholder(layer.weight), requires_grad=False)
+    layer.weight = dense_placeholder(layer.weight)
     return True
+
+
+def reads_no_dense(quantized: QuantizedWeight | None, table: KernelTable) -> bool:
+    """A product with this copy and table never reads its dense weight: `drop_dense` may free it."""
+    return quantized is not None and table.weight_only
 
 
 def check_dense_kept(weight: torch.Tensor, table: KernelTable) -> None:
@@ -332,9 +337,9 @@ def check_dense_kept(weight: torch.Tensor, table: KernelTable) -> None:
         )
 
 
-def dense_placeholder(weight: torch.Tensor) -> torch.Tensor:
+def dense_placeholder(weight: torch.Tensor) -> nn.Parameter:
     """A weight's shape and dtype on the meta device: what stands for a dropped dense weight."""
-    return torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+    return nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
 
 
 def linear_layers(model: nn.Module) -> list[nn.Linear]:

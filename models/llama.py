@@ -39,6 +39,7 @@ from models.linear_kernels import (
     drop_dense,
     linear,
     pack,
+    reads_no_dense,
 )
 from models.quantized import QuantizedWeight, concatenate
 
@@ -102,11 +103,11 @@ class Projection:
     def drop_dense(self) -> bool:
         """Free the fused dense weight (and so the members' views of it) where the table runs the
         weight-only kernel at every step size (`linear_kernels.drop_dense`)."""
-        if self.quantized_weight is None or not self.table.weight_only:
+        if not reads_no_dense(self.quantized_weight, self.table):
             return False
         self.weight = dense_placeholder(self.weight)
         for layer in self.members:
-            layer.weight = nn.Parameter(dense_placeholder(layer.weight), requires_grad=False)
+            layer.weight = dense_placeholder(layer.weight)
         return True
 
 
