@@ -153,7 +153,7 @@ class LlamaForward:
         ]
 
     def gemms(self) -> list[Any]:
-        """The decoder's products as this forward runs them, for `models.linear_kernels.tune_model`."""
+        """The decoder's products as this forward runs them, for `models.kernel_tuning.tune_model`."""
         return [gemm for layer in self.layers for gemm in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)]
 
     def fused_copies(self) -> list[QuantizedWeight | None]:

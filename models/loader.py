@@ -35,6 +35,7 @@ from models import catalogue, cpu_kernels, host_memory, layer_ops, paged_attenti
 from models.attention_timing import tune_attention, tune_paged_limits
 from models.forward import lean_forward, refuse_transformers_forward
 from models.gguf_cache import GGUFCache, cache_path
+from models.kernel_tuning import tune_model
 from models.kv_cache import KVCache, PagedLimits
 from models.linear_kernels import (
     DENSE,
@@ -47,7 +48,6 @@ from models.linear_kernels import (
     linear_layers,
     quantized_format,
     step_invariant_kernels,
-    tune_model,
 )
 from models.llama import LlamaForward, uses_sliding_window
 from models.quantized import footprint
@@ -77,7 +77,7 @@ class ModelConfig:
     cache_dir: Path | None = None  # converted GGUF weights; None: ~/.cache/specd
     revision: str | None = None
     trust_remote_code: bool = False
-    tune_kernels: bool = True  # time the linear layers' GEMM layouts at load (CPU; linear_kernels.py)
+    tune_kernels: bool = True  # time the linear layers' GEMM layouts at load (CPU; kernel_tuning.py)
     cpu_attention: str = "paged"  # paged | gather: how CPU decode rows read the KV pool (paged_attention.py)
     weights: str = "auto"  # auto | bf16 | int8 | int6 | int4: the format each weight is served in (weights.py)
     output_weights: str | None = None  # int8 | int6 | int4: the output projection's where weights quantizes; None: int8

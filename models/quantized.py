@@ -26,7 +26,7 @@ every weight to a float lane and ran out of arithmetic before memory: on a 2-cor
 17920 x 1536 int4 product took 0.9 ms at 1 row and 3.3 ms at 8, where these take 0.46 and 0.94.
 Their cost still grows with the rows (an integer dot product per row per weight), so a quantized
 layer keeps its dense weight too, set to the values its codes stand for (rounded to the served
-dtype), and the kernel table (`models.linear_kernels`, timed per row count at load) picks the
+dtype), and the kernel table (`models.linear_kernels`, timed per row count at load by `models.kernel_tuning`) picks the
 weight-only kernel or a dense layout per step. The two differ by the rows' int8 rounding (a
 relative 0.5% of a product), as the dtype's rounding differs between step shapes; each row's sums
 are its own, so a row gets the same bits from the kernel whatever shares its step. Resident

@@ -1,4 +1,4 @@
-"""models.linear_kernels: the layouts compute the same product, the tuner keeps the faster, load installs it."""
+"""models.linear_kernels: the layouts compute the same product, tuned layers follow their table, load installs it."""
 
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ from models.linear_kernels import (
     install,
     linear_layers,
     transposed_linear,
-    tune,
-    tune_model,
 )
 from models.loader import ModelConfig, load_model
 
@@ -39,42 +37,6 @@ def test_transposed_layout_computes_linear(shape, bias):
     if x.numel() == 24:
         padded = transposed_linear(x, layer.weight, layer.bias, padded=True)
         torch.testing.assert_close(padded, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-6)
-
-
-def fake_timer(cost):
-    """A timer that runs each pass but reports `cost(layout, tokens)` instead of the clock."""
-    calls = []
-
-    def timer(fn, layout, num_tokens) -> float:
-        fn()
-        calls.append((layout, num_tokens))
-        return cost(layout, num_tokens)
-
-    return timer, calls
-
-
-def test_tuner_keeps_the_faster_layout_per_token_count():
-    layers = [nn.Linear(16, 32), nn.Linear(32, 16)]
-
-    def cost(layout, m):
-        if layout == STANDARD_LAYOUT:
-            return 1.0
-        if layout == PADDED:
-            return 0.7  # one row computed as two beats the matrix-vector kernel
-        if layout == PACKED:
-            return 1.1  # never the faster here
-        return 0.5 if 2 <= m <= 9 or m == 16 else 0.97 if m < 64 else 1.3  # 0.97: inside MIN_GAIN
-
-    timer, calls = fake_timer(cost)
-    table = tune(layers, timer)
-    assert len(table.layouts) == len(RUNGS)
-    assert table.layout(1) == PADDED
-    assert [m for m in range(2, 40) if table.layout(m) == TRANSPOSED] == [*range(2, 10), 16]
-    assert all(table.layout(m) == STANDARD_LAYOUT for m in (10, 15, 17, 64, 200, RUNGS[-1] + 1, 5000))
-    assert table.ratios[RUNGS.index(2)] == 0.5 and table.ratios[RUNGS.index(64)] == 1.0
-    # Every rung times x @ W^T, the transposed and the packed layouts (and at 1 row the padded one).
-    assert len(calls) == sum(linear_kernels.REPEATS * (4 if m == 1 else 3) for m in RUNGS)
-    assert "2-9 tokens: (W @ x^T)^T (0.50-0.50 of the time)" in table.describe()
 
 
 def test_tuned_layers_follow_the_table_and_keep_their_outputs(tiny_llama_dir):
@@ -108,70 +70,6 @@ def test_tuned_layers_follow_the_table_and_keep_their_outputs(tiny_llama_dir):
         install(layers, KernelTable((PADDED,) + (STANDARD_LAYOUT,) * (len(RUNGS) - 1), (1.0,) * len(RUNGS)))
         one = tuned.model(input_ids=ids[:, :1]).logits
         torch.testing.assert_close(one, plain.model(input_ids=ids[:, :1]).logits, rtol=1e-4, atol=1e-5)
-
-
-def test_the_sample_takes_whole_weights_then_the_first_rows_of_the_one_that_crosses_the_budget():
-    layers = [nn.Linear(16, 8), nn.Linear(16, 8, bias=False), nn.Linear(16, 100), nn.Linear(16, 8)]
-    weights = [(m.weight, m.bias, None) for m in layers]
-    sample = linear_kernels._sample(weights, (2 * 8 * 16 + 3 * 16) * 4)  # float32
-    assert [tuple(w.shape) for w, _, _ in sample] == [(8, 16), (8, 16), (3, 16)]
-    assert sample[1][1] is None and sample[2][1].shape == (3,)
-    assert sample[2][0].data_ptr() == layers[2].weight.data_ptr()  # a view: nothing copied
-    assert [tuple(w.shape) for w, _, _ in linear_kernels._sample(sample, 8 * 16 * 4 + 1)] == [(8, 16), (1, 16)]
-
-
-def test_past_32_rows_the_tuner_times_a_quarter_of_the_sample(monkeypatch):
-    """The ladder is compute-bound: its passes run over LADDER_SAMPLE_BYTES, the small rungs over all."""
-    monkeypatch.setattr(linear_kernels, "SAMPLE_BYTES", 4 * 32 * 16 * 4)  # four 32x16 float32 weights
-    monkeypatch.setattr(linear_kernels, "LADDER_SAMPLE_BYTES", 32 * 16 * 4)  # one
-    layers = [nn.Linear(16, 32, bias=False) for _ in range(6)]
-    seen: dict[int, int] = {}
-    original = linear_kernels.transposed_linear
-
-    def counting(x, weight, bias, padded=False):
-        seen[x.shape[0]] = seen.get(x.shape[0], 0) + 1
-        return original(x, weight, bias, padded)
-
-    monkeypatch.setattr(linear_kernels, "transposed_linear", counting)
-    tune(layers, fake_timer(lambda layout, m: 1.0)[0])
-    passes = 1 + linear_kernels.REPEATS  # a warm-up, then the timed repeats
-    assert seen[2] == seen[32] == 4 * passes  # every weight of the sample
-    assert seen[40] == seen[256] == 1 * passes  # the ladder's quarter
-
-
-def test_the_output_projection_is_tuned_on_its_own_weights(tiny_llama_dir, monkeypatch):
-    """Its shape is unlike any decoder layer's, and so is its best layout: it gets its own table."""
-    model = load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu", tune_kernels=False)).model
-    output = model.get_output_embeddings()
-    tuned: list[list[nn.Linear]] = []
-    layers_table = KernelTable((TRANSPOSED,) * len(RUNGS), (0.5,) * len(RUNGS))
-    output_table = KernelTable((STANDARD_LAYOUT,) * len(RUNGS), (1.0,) * len(RUNGS))
-
-    def fake_tune(layers, dense_only=False):
-        tuned.append(list(layers))
-        return output_table if layers == [output] else layers_table
-
-    monkeypatch.setattr(linear_kernels, "tune", fake_tune)
-    monkeypatch.setattr(linear_kernels, "_TABLES", {})
-    kernels = tune_model(model)
-    assert kernels.layers is layers_table and kernels.output is output_table
-    assert tuned[1] == [output] and output not in tuned[0] and len(tuned[0]) == len(linear_layers(model)) - 1
-    assert output.kernel_table is output_table
-    assert all(m.kernel_table is layers_table for m in linear_layers(model) if m is not output)
-    assert "output projection: 1-256 tokens: x @ W^T" in kernels.describe()
-
-
-def test_the_packed_layout_wins_where_it_is_faster_and_computes_the_same_product():
-    layers = [nn.Linear(16, 32), nn.Linear(32, 16, bias=False)]
-    timer, _ = fake_timer(lambda layout, m: 0.6 if layout == PACKED and m <= 8 else 1.0)
-    table = tune(layers, timer)
-    assert [m for m in range(1, 12) if table.layout(m) == PACKED] == [*range(1, 9)]
-    install(layers, table)
-    for layer in layers:
-        assert layer.packed_weight is not None
-        x = torch.randn(5, layer.in_features)
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-        assert layer(x[None]).shape == (1, 5, layer.out_features)  # leading dims kept
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

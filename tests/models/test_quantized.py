@@ -1,5 +1,5 @@
 """Weight-only quantized copies: each kernel computes what its dense values do, copies stack exactly,
-and the tuner offers the weight-only kernel only to layers that have one, timed cold."""
+and a dense weight no step size reads is dropped (the tuner's side: tests/models/test_kernel_tuning.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import linear_kernels
-from models.linear_kernels import CHUNKED, QUANTIZED, RUNGS, STANDARD_LAYOUT, TRANSPOSED, TunedLinear, linear, tune
+from models.linear_kernels import CHUNKED, QUANTIZED, RUNGS, STANDARD_LAYOUT, TRANSPOSED, linear
 from models.quantized import (
     BLOCK,
     GROUP,
@@ -29,6 +29,7 @@ from models.quantized import (
     round_rows,
 )
 from tests.support.q4_k import q4_k_blocks
+from tests.support.tensors import quantized_layer
 
 DTYPES = [torch.float32, torch.bfloat16]
 FORMATS = [INT8, INT6, INT4]
@@ -152,62 +153,6 @@ def test_the_head_of_a_copy_is_its_first_rows(fmt, kind):
     x = torch.randn(2, 128)
     assert torch.equal(head.matmul(x), copy.matmul(x)[:, : head.out_features])
     assert isinstance(head, kind)
-
-
-def quantized_layer(fmt: str, n: int = 64, k: int = 128) -> TunedLinear:
-    layer = nn.Linear(k, n)
-    copy = quantize(layer.weight, fmt)
-    assert copy is not None
-    with torch.no_grad():
-        layer.weight.copy_(copy.dense(torch.float32))
-    layer.__class__ = TunedLinear
-    layer.quantized_weight = copy
-    return layer
-
-
-def test_the_tuner_times_the_weight_only_kernel_at_every_rung_and_small_steps_cold(monkeypatch):
-    layers = [quantized_layer(INT4) for _ in range(3)]
-    evictions = []
-    monkeypatch.setattr(linear_kernels, "evict_caches", lambda: evictions.append(1))
-    seen = []
-    limit = linear_kernels.QUANTIZED_ROWS
-
-    def timer(fn, layout, m):  # an AMX CPU: the kernel wins decode steps, dense products prefill
-        fn()
-        seen.append((layout, m))
-        return (0.3 if m <= limit else 1.5) if layout == QUANTIZED else 1.0
-
-    table = tune(layers, timer)
-    assert [m for m in range(1, 300) if table.layout(m) == QUANTIZED] == list(range(1, limit + 1))
-    assert table.layout(RUNGS[-1] + 1) == STANDARD_LAYOUT and "x @ W^T above" in table.describe()
-    assert {m for layout, m in seen if layout == QUANTIZED} == set(RUNGS)
-    # Every timed pass of the small rungs (every layout's) followed an eviction; the rest none.
-    assert len(evictions) == sum(1 for _, m in seen if m <= limit)
-    dense = tune([nn.Linear(128, 64) for _ in range(3)], timer)
-    assert not dense.uses(QUANTIZED)
-
-
-def test_where_the_weight_only_kernel_wins_every_rung_it_runs_past_the_last(monkeypatch):
-    """A CPU without AMX: its integer dot products beat the dense bf16 ones at prefill sizes too,
-    and a longer chunk than the last rung keeps the kernel (both costs grow row by row)."""
-    monkeypatch.setattr(linear_kernels, "evict_caches", lambda: None)
-    table = tune([quantized_layer(INT4) for _ in range(2)], lambda fn, layout, m: 0.7 if layout == QUANTIZED else 1.0)
-    assert all(table.layout(m) == QUANTIZED for m in (1, 16, 17, 64, RUNGS[-1], RUNGS[-1] + 1, 4096))
-    assert table.describe().endswith(f"weight-only above {RUNGS[-1]} (tuned in {table.seconds:.1f}s)")
-
-
-def test_a_tie_over_the_ladder_goes_to_the_weight_only_kernel_at_every_step_size(monkeypatch):
-    monkeypatch.setattr(linear_kernels, "evict_caches", lambda: None)
-    # within MIN_GAIN of the fastest dense layout: the kernel runs every step size
-    table = tune([quantized_layer(INT4)], lambda fn, layout, m: 1.03 if layout == QUANTIZED else 1.0)
-    assert table.weight_only and table.describe().startswith("1-256 tokens: weight-only (1.03-1.03")
-    # a dense layout winning one rung (a noisy pass) does not keep the dense weight
-    table = tune([quantized_layer(INT4)], lambda fn, layout, m: 0.8 if (layout == QUANTIZED) != (m == 128) else 1.0)
-    assert table.weight_only
-    # a dense product well ahead on the prefill rungs keeps them
-    prefill_dense = lambda fn, layout, m: (0.5 if m <= 16 else 1.2) if layout == QUANTIZED else 1.0  # noqa: E731
-    table = tune([quantized_layer(INT4)], prefill_dense)
-    assert not table.weight_only and table.layout(16) == QUANTIZED and table.layout(17) == STANDARD_LAYOUT
 
 
 def test_drop_dense_frees_a_weight_only_where_no_step_size_reads_it():

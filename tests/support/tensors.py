@@ -4,9 +4,12 @@ steps, for tests that call one piece of a step on its own."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from models.forward import forward_step
 from models.kv_cache import KVCache, LayoutPlan
+from models.linear_kernels import TunedLinear
+from models.quantized import quantize
 from models.sampling import SamplingTensors, plan_token_counts, resolve_token_counts
 from models.transfer import HostBuffer
 from scheduler.types import SamplingParams
@@ -57,3 +60,15 @@ def read_kv(cache: KVCache, layer: int, table: list[int], num_tokens: int) -> tu
     size = cache.block_size
     rows = torch.tensor([table[p // size] * size + p % size for p in range(num_tokens)])
     return cache.keys[layer][:, rows], cache.values[layer][:, rows]
+
+
+def quantized_layer(fmt: str, n: int = 64, k: int = 128) -> TunedLinear:
+    """An n x k linear layer with a weight-only copy in `fmt`, its dense weight set to the copy's values."""
+    layer = nn.Linear(k, n)
+    copy = quantize(layer.weight, fmt)
+    assert copy is not None
+    with torch.no_grad():
+        layer.weight.copy_(copy.dense(torch.float32))
+    layer.__class__ = TunedLinear
+    layer.quantized_weight = copy
+    return layer
