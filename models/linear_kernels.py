@@ -321,6 +321,12 @@ def linear_layers(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
 
+def linear_params(model: nn.Module) -> int:
+    """Weights a token's forward multiplies by: its linear layers', the output projection's among
+    them, each weight once (an embedding lookup reads one row)."""
+    return sum({id(m.weight): m.weight.numel() for m in linear_layers(model)}.values())
+
+
 def quantized_format(product: Any) -> str:
     """The format of `product`'s quantized copy, or DENSE."""
     weight = getattr(product, "quantized_weight", None)

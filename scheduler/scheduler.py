@@ -457,7 +457,8 @@ class Scheduler:
             self._finished_ids.append(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.policy.free(request.request_id)
+        ended = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        self.policy.free(request.request_id, len(request.output_ids) if ended else None)
         self._requests.pop(request.request_id, None)
 
     def _output(self, request, new_ids, logprobs, top_logprobs, finished, stop_id=None) -> RequestOutput:

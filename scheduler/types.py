@@ -329,6 +329,8 @@ class StepOutput:
     rows: list[RowOutput]
     # Token rows the device proposer's forwards computed (catch-up feeds and drafts fed back).
     num_draft_rows: int = 0
+    # Of those, the catch-up feeds' tokens past each row's last one (`DraftPlan.num_catch_up`).
+    num_draft_catch_up: int = 0
     # Seconds by phase: "prefill", "draft", "verify", "decode".
     phase_seconds: dict[str, float] = field(default_factory=dict)
     # accepted_per_position[i]: rows whose draft token i+1 was accepted.

@@ -1,6 +1,6 @@
 """An online model of one engine step's time, learned on the running machine.
 
-    t = f(T) + c_ctx * C + c_spec * [the step verifies drafts] + c_draft * D + c_row * R + c_logits * L
+    t = f(T) + c_ctx * C + c_spec * [the step verifies drafts] + c_draft * D + c_row * R + c_feed * F + c_logits * L
 
 T is the tokens the target computes (prefill chunks, decode tokens, drafts),
 C the keys its rows attend over (sum of context lengths), D the draft model's
@@ -8,7 +8,11 @@ forwards (0 for model-free proposers), R the token rows those forwards compute, 
 row's catch-up feed (what it emitted since its last draft) counting each token (a
 draft model's forward over 16 rows costs more than over one: on the real
 pair, Qwen2.5-Coder-0.5B drafting for 1.5B, pricing forwards alone learned the
-cost at one stream and lost 22% to plain decoding at 8), L the positions the output projection
+cost at one stream and lost 22% to plain decoding at 8), F the catch-up tokens past each row's
+last one (a row that has not drafted for a while feeds its gap, the whole sequence the first
+time: the draft model's prefill, compute-bound where its other rows are not; on that pair a
+292-token catch-up made a 4-stream step of 70 ms take 600, where R's price, learned from the
+usual one-to-five-token feeds, was 0.35 ms a row), L the positions the output projection
 computes logits for (every sampling row's last token and drafts; a prefill
 chunk's other tokens get none). L is what separates a verify step from a
 prefill chunk of as many tokens: on SmolLM2 in float32 on 2 cores the output
@@ -48,19 +52,22 @@ KNOTS = np.array(
 # 5 tokens also measures one of 6.
 _SUPPORT_KNOTS = [float(1 << i) for i in range(15)]  # 1, 2, 4, ..., 16384
 # Parameters: f's level at T = 1, f's slope on each segment between knots (the
-# last one extrapolates), then the per-thousand-keys, verify, draft-forward, logits-row and
-# draft-row costs.
+# last one extrapolates), then the per-thousand-keys, verify, draft-forward, logits-row,
+# draft-row and catch-up-token costs.
 _NUM_SLOPES = len(KNOTS) - 1
 _LEVEL = 0
 _SLOPES = slice(1, 1 + _NUM_SLOPES)
-_CTX, _SPEC, _DRAFT, _LOGITS, _DRAFT_ROWS = (n + _NUM_SLOPES for n in range(1, 6))
-_NUM_FEATURES = 6 + _NUM_SLOPES
+_CTX, _SPEC, _DRAFT, _LOGITS, _DRAFT_ROWS, _CATCH_UP = (n + _NUM_SLOPES for n in range(1, 7))
+_NUM_FEATURES = 7 + _NUM_SLOPES
+_TARGET_FEATURES = np.array([_LEVEL, *range(_SLOPES.start, _SLOPES.stop), _CTX, _SPEC, _LOGITS])
 _CTX_SCALE = 1e-3  # C is fitted per thousand keys, so all features have similar sizes
 _WIDTHS = np.diff(KNOTS)
 _KNOT_LIST = [float(k) for k in KNOTS]
 _SKIPPED_STEPS = 1  # the first step after start-up pays one-off kernel set-up: never learned from
 _WARMUP_STEPS = 5  # steps learned from before predictions are scored and outliers clipped
 _OUTLIER_FACTOR = 3.0
+# A catch-up this long is compute-bound, as a prefill chunk is: steps with one measure its price.
+CATCH_UP_SEEN = 16
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,7 @@ class StepShape:
     num_draft_forwards: int = 0  # D
     num_logits: int = 0  # L
     num_draft_rows: int = 0  # R: rows summed over the draft forwards
+    num_catch_up: int = 0  # F: of those, the catch-up feeds' tokens past each row's last one
 
 
 @dataclass
@@ -107,6 +115,7 @@ def _features(shape: StepShape) -> np.ndarray:
     x[_DRAFT] = float(shape.num_draft_forwards)
     x[_LOGITS] = float(shape.num_logits)
     x[_DRAFT_ROWS] = float(shape.num_draft_rows)
+    x[_CATCH_UP] = float(shape.num_catch_up)
     return x
 
 
@@ -143,6 +152,9 @@ class StepCostModel:
     _rises: list[float] = field(default_factory=lambda: [0.0] * _NUM_SLOPES)  # the same, as a list, per segment
     # Decayed count of recent plain (non-verify) steps per token bucket [knot, next knot).
     _plain_support: list[float] = field(default_factory=lambda: [0.0] * len(_SUPPORT_KNOTS))
+    # Decayed counts of recent steps that ran draft forwards, and catch-up feeds of CATCH_UP_SEEN tokens or more.
+    draft_support: float = 0.0
+    catch_up_support: float = 0.0
     num_seen: int = 0
     num_observed: int = 0
 
@@ -197,6 +209,11 @@ class StepCostModel:
         return max(float(self.coef[_DRAFT_ROWS]), 0.0)
 
     @property
+    def catch_up_cost(self) -> float:
+        """Seconds one more catch-up token adds to a draft forward, on top of its row's price."""
+        return max(float(self.coef[_CATCH_UP]), 0.0)
+
+    @property
     def logits_cost(self) -> float:
         """Seconds one more position's logits add (each draft token adds one)."""
         return max(float(self.coef[_LOGITS]), 0.0)
@@ -217,6 +234,8 @@ class StepCostModel:
         self._plain_support = [keep * w for w in self._plain_support]
         if not shape.is_spec:
             self._plain_support[_bucket(shape.num_tokens, _SUPPORT_KNOTS)] += 1.0
+        self.draft_support = keep * self.draft_support + (shape.num_draft_forwards > 0)
+        self.catch_up_support = keep * self.catch_up_support + (shape.num_catch_up >= CATCH_UP_SEEN)
         self._xx = keep * self._xx + self.weight * np.outer(x, x)
         self._xy = keep * self._xy + self.weight * x * seconds
         self._mean = seconds if not self.num_observed else keep * self._mean + self.weight * seconds
@@ -224,7 +243,11 @@ class StepCostModel:
         self._solve()
 
     def _solve(self) -> None:
-        scale = max(float(np.trace(self._xx)) / _NUM_FEATURES, 1e-12)
+        # The ridges' scale is the target step's own features': a draft model's catch-up feeds
+        # hundreds of rows in one step, and that one step in the trace made the pull toward the
+        # mean outweigh the plain steps' data (a 4-row plain step, 70 ms, was then priced at 650).
+        target = self._xx[_TARGET_FEATURES, _TARGET_FEATURES]
+        scale = max(float(target.sum()) / len(target), 1e-12)
         matrix = self._xx + self.smoothness * scale * (_SMOOTH.T @ _SMOOTH)
         # A weak pull toward "every step costs the mean, one token 1% more per token":
         # only where the data is silent (segments never visited, a fixed cost never seen).
@@ -267,6 +290,7 @@ class StepCostModel:
             "ms_spec_step": round(self.spec_cost * 1e3, 3),
             "ms_per_draft_forward": round(self.draft_forward_cost * 1e3, 3),
             "ms_per_draft_row": round(self.draft_row_cost * 1e3, 3),
+            "ms_per_catch_up_token": round(self.catch_up_cost * 1e3, 3),
             "ms_per_logits_row": round(self.logits_cost * 1e3, 3),
         }
 
@@ -275,8 +299,8 @@ def step_shape(batch: Batch, output: StepOutput) -> StepShape:
     """What the step cost model prices of a step as it ran: the tokens the target computed
     (drafts included), the keys they attended over, whether it verified, draft forwards
     (one for probes alone) and the token rows they computed (a row's catch-up feed counts each
-    of its tokens), and the positions it computed logits for (a sampling row's last token and
-    drafts)."""
+    of its tokens; those past its last one count again, as catch-up), and the positions it
+    computed logits for (a sampling row's last token and drafts)."""
     drafts = [out.num_draft_tokens for out in output.rows]
     device_drafts = [out.num_draft_tokens for out in output.rows if registry.capabilities(out.method).on_device]
     probed = any(out.probe_id is not None for out in output.rows)
@@ -287,4 +311,5 @@ def step_shape(batch: Batch, output: StepOutput) -> StepShape:
         num_draft_forwards=max(*device_drafts, int(probed), 0),
         num_logits=sum(1 + k for row, k in zip(batch.rows, drafts) if row.sample),
         num_draft_rows=output.num_draft_rows,
+        num_catch_up=output.num_draft_catch_up,
     )

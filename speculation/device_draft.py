@@ -56,6 +56,12 @@ class DraftPlan:
         return self.num_fed + sum(len(rows) for rows in self.active[1:])
 
     @property
+    def num_catch_up(self) -> int:
+        """Tokens the first forward feeds past each row's last one: the rows' catch-up on what
+        they emitted since the proposer last drafted for them (a prefill, the first time)."""
+        return self.num_fed - len(self.requests)
+
+    @property
     def k_max(self) -> int:
         return len(self.active)
 

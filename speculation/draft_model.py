@@ -14,6 +14,7 @@ import torch
 
 from models.forward import forward_step
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, StepLayout
+from models.linear_kernels import linear_params
 from models.loader import LoadedModel, check_draft_compatible, load_model
 from models.weights import draft_formats
 from scheduler.types import Request
@@ -24,9 +25,10 @@ from speculation.proposer import BuildContext
 class DraftModelProposer(DeviceProposer):
     method = "draft_model"
 
-    def __init__(self, draft: LoadedModel, vocab_size: int):
+    def __init__(self, draft: LoadedModel, vocab_size: int, cost_ratio: float | None = None):
         super().__init__(vocab_size)
         self.draft = draft
+        self.cost_ratio = cost_ratio
         self.paged_limits = draft.paged_limits  # its catch-up feeds read the pool as its verify rows would
         draft.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.cache: KVCache | None = None
@@ -48,7 +50,11 @@ class DraftModelProposer(DeviceProposer):
         )
         draft = load_model(config)
         check_draft_compatible(target, draft)
-        return cls(draft, target.vocab_size)
+        return cls(draft, target.vocab_size, linear_params(draft.model) / max(linear_params(target.model), 1))
+
+    @property
+    def forward_cost_ratio(self) -> float | None:
+        return self.cost_ratio
 
     def bytes_per_block(self, block_size: int) -> int:
         return KVCache.bytes_per_block(self.draft.model.config, block_size, self.draft.dtype)

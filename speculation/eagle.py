@@ -35,6 +35,7 @@ import torch
 from models.eagle_head import EagleHead, held_out_rates, load_head
 from models.forward import check_plain_logits, laid_out
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, StepLayout
+from models.linear_kernels import linear_params
 from models.transfer import DeviceArrays
 from scheduler.types import Request
 from speculation.device_draft import DeviceProposer, DraftPlan
@@ -47,9 +48,10 @@ class EagleProposer(DeviceProposer):
     method = "eagle"
     uses_features = True
 
-    def __init__(self, head: EagleHead, head_dir: Path, vocab_size: int):
+    def __init__(self, head: EagleHead, head_dir: Path, vocab_size: int, cost_ratio: float | None = None):
         super().__init__(vocab_size)
         self.head = head
+        self.cost_ratio = cost_ratio
         self.head_dir = Path(head_dir)
         self.feature_layers = head.config.feature_layers
         self.cache: KVCache | None = None
@@ -72,7 +74,13 @@ class EagleProposer(DeviceProposer):
             head.config.draft_vocab_size,
             f"layers {layers} fused" if layers else "last hidden state",
         )
-        return cls(head, head_dir, target.vocab_size)
+        # Its forward: the head's layers, then logits over its draft vocabulary.
+        head_params = linear_params(head) + head.config.draft_vocab_size * head.config.hidden_size
+        return cls(head, head_dir, target.vocab_size, head_params / max(linear_params(target.model), 1))
+
+    @property
+    def forward_cost_ratio(self) -> float | None:
+        return self.cost_ratio
 
     @property
     def prior_rates(self) -> tuple[float, ...]:

@@ -31,8 +31,16 @@ from speculation.registry import Capabilities
 MAX_PROBE_BACKOFF = 3  # a failing row's probe wait doubles up to probe_interval * 8
 NO_PREFILL = StepShape(0)  # a step of decode rows only
 # While plain steps of this size are unseen lately (decayed count under EXPLORE_BELOW) and
-# speculation's edge is under EXPLORE_MARGIN, the step runs plain once to price it.
-EXPLORE_BELOW, EXPLORE_MARGIN = 0.5, 2.0
+# speculation's edge is under EXPLORE_MARGIN, the step runs plain once to price it. Where they
+# are unseen at all (under EXPLORE_UNSEEN: none in the last ~150 steps, or none since start-up
+# once any step was measured), it runs plain whatever the edge: the edge is a ratio to the plain step's price, and that
+# price was then learned from verify steps alone. On the real pair a server's first decode
+# steps verified drafts whose catch-up (its prompt, into the draft model) took 650 ms, and
+# the fit that followed priced a 70 ms plain step at 650, then 150-250: every later step
+# verified, at 0.85-0.9x the tokens per second of plain decoding. Before any step is measured
+# (the memory-bound guess), rows of a device proposer run plain too: that first verify's
+# catch-up (every row's prompt) is the dearest step a server runs.
+EXPLORE_BELOW, EXPLORE_MARGIN, EXPLORE_UNSEEN = 0.5, 2.0, 0.05
 # The edge a verify step's predicted tokens per second must show over the plain step's: inside
 # it the call is a coin flip that costs a verify step's fixed price when it loses. Constant: the
 # gains are calibrated and the cost model is fitted to the recent steps, so what is left is
@@ -40,6 +48,14 @@ EXPLORE_BELOW, EXPLORE_MARGIN = 0.5, 2.0
 # stop speculating where it paid (served mix traffic at 4 requests: 24 steps of 158 ran
 # plain for want of it in one run, 4-7 in the others).
 REQUIRED_EDGE = 0.05
+# Weight of the newest finished request in the mean output length (about the last ten count).
+OUTPUT_LENGTH_WEIGHT = 0.1
+# Recent steps (a decayed count) that must have measured a device proposer's forwards, or its
+# long catch-up feeds, before the fit's price for them replaces the prior: the target's own step
+# over as many rows, scaled by the proposer's `forward_cost_ratio`. Fitted from one or two steps,
+# where the forwards, their rows and the catch-up all grow together, the split between them
+# was arbitrary (on the real pair, 58 ms a forward after two catch-ups, against 14 measured).
+MEASURED = 3.0
 
 
 @dataclass
@@ -54,6 +70,7 @@ class SpecPolicy:
     num_steps: int = 0  # planned steps, their expected and emitted tokens
     expected_tokens: float = 0.0
     emitted_tokens: float = 0.0
+    mean_output_tokens: float | None = None  # of recent finished requests (None: none yet)
 
     def __post_init__(self) -> None:
         c = self.config
@@ -137,12 +154,15 @@ class SpecPolicy:
         had_auto_rows = bool(auto_rows or grammar_candidates)
         auto_rows = [i for i in auto_rows if k_maxes[i]]
         candidates, lookup_rows = self._candidates(requests, auto_rows, k_maxes, caps)
+        catch_ups = self._catch_up_charges(requests, candidates, lookup_rows)
         budget -= sum(ks)  # forced rows spend the budget first
         if budget < 0:
             ks = _shrink(ks, -budget)
             budget = 0
         grammar_rows = frozenset(i for _, i in grammar_candidates)
-        plan = self._choose(requests, candidates + grammar_candidates, ks, budget, prefill, lookup_rows, grammar_rows)
+        plan = self._choose(
+            requests, candidates + grammar_candidates, ks, budget, prefill, lookup_rows, grammar_rows, catch_ups
+        )
         if not any(ks) and plan.plain_reason is None and (capped or had_auto_rows):
             plan.plain_reason = "cap" if capped else "no_draft"
         if plan.plain_reason is not None:
@@ -196,6 +216,56 @@ class SpecPolicy:
     def _on_device(self, request: Request, row: int, host_rows: frozenset[int]) -> bool:
         return self.capabilities(request).on_device and row not in host_rows
 
+    def _catch_up_charges(
+        self, requests: list[Request], candidates: list[tuple[float, int]], lookup_rows: frozenset[int]
+    ) -> dict[int, float]:
+        """Seconds a step is charged for a device row's first draft position: its catch-up feed
+        past its last token (what it emitted since the proposer last drafted for it; its whole
+        sequence the first time) at the learned cost per token, amortized over the tokens that
+        feed serves. The feed is paid once and every later verify of the row reuses it, so the
+        step is charged the share of it that the row's expected tokens this step are of those it
+        has left: its `max_tokens` left, or the mean output of recent requests where that is
+        less (a request that has run for a while is expected to run about as long again)."""
+        if self.drafting.catch_up is None:
+            return {}
+        expected: dict[int, float] = {}
+        for gain, i in candidates:
+            if self._on_device(requests[i], i, lookup_rows):
+                expected[i] = expected.get(i, 1.0) + gain
+        if not expected:
+            return {}
+        rows = list(expected)
+        feeds = self.drafting.catch_up([requests[i] for i in rows], [1] * len(rows))
+        charges = {}
+        for i, fed in zip(rows, feeds):
+            if fed > 1:
+                request = requests[i]
+                left = float(max(request.params.max_tokens - len(request.output_ids), 1))
+                if self.mean_output_tokens is not None:
+                    left = min(left, max(self.mean_output_tokens, 1.0))
+                charges[i] = self._catch_up_seconds(fed - 1) * min(expected[i] / left, 1.0)
+        return charges
+
+    def _forward_prices(self) -> tuple[float, float]:
+        """(seconds a device proposer's forward costs, seconds each row adds to it): the fit's,
+        where recent steps measured them, else the prior (`MEASURED`)."""
+        cost, ratio = self.cost, self.drafting.forward_cost_ratio
+        if ratio is None or cost.draft_support >= MEASURED:
+            return cost.draft_forward_cost, cost.draft_row_cost
+        one = cost.predict(StepShape(1, num_logits=1))
+        return ratio * one, ratio * max(cost.predict(StepShape(2, num_logits=2)) - one, 0.0)
+
+    def _catch_up_seconds(self, num_tokens: int) -> float:
+        """What `num_tokens` catch-up tokens past their rows' last ones add to a forward: rows of
+        it at the fit's prices (each a row, and a catch-up token) where recent steps measured
+        long feeds, else the prior's, a target prefill of as many tokens scaled down."""
+        cost, ratio = self.cost, self.drafting.forward_cost_ratio
+        if num_tokens <= 0:
+            return 0.0
+        if ratio is None or cost.catch_up_support >= MEASURED:
+            return (cost.draft_row_cost + cost.catch_up_cost) * num_tokens
+        return ratio * cost.added_tokens_cost(1, num_tokens)
+
     def _choose(
         self,
         requests,
@@ -205,14 +275,17 @@ class SpecPolicy:
         prefill: StepShape,
         lookup_rows: frozenset[int],
         grammar_rows: frozenset[int] = frozenset(),
+        catch_ups: dict[int, float] | None = None,
     ) -> StepPlan:
         """The best prefix of the candidates (by decreasing gain) for the decode rows' tokens per second.
 
         Every prefix is a plan priced by the step's predicted time with that many more tokens;
         the best wins rather than the first token that stops paying, since a step's cost need
         not be convex in its tokens. The rate is over the decode rows' own time: a prefill
-        chunk is paid either way (tokens are still priced at the whole step's size).
+        chunk is paid either way (tokens are still priced at the whole step's size). A device
+        row's first position also pays its share of its catch-up (`catch_ups`).
         """
+        catch_ups = catch_ups or {}
         forced = sum(ks)
         expected = float(len(requests))  # forced drafts count as gain-free here
         plain_tokens = len(requests) + prefill.num_tokens
@@ -231,8 +304,8 @@ class SpecPolicy:
             whole = replace(decode, num_tokens=tokens, num_context=context + prefill.num_context,
                             num_logits=decode.num_logits + prefill.num_logits)  # fmt: skip
             prefill_seconds = max(cost.predict(whole) - seconds, 0.0)
-            spec_cost, draft_cost, logits_cost = cost.spec_cost, cost.draft_forward_cost, cost.logits_cost
-            row_cost = cost.draft_row_cost
+            spec_cost, logits_cost = cost.spec_cost, cost.logits_cost
+            draft_cost, row_cost = self._forward_prices()
         else:  # nothing measured yet: a memory-bound guess (a token costs 2% of a step)
             seconds, prefill_seconds, spec_cost, draft_cost, logits_cost, row_cost = 1.0, 0.0, 0.0, 0.0, 0.0, 0.0
         plain_seconds, plain_expected = seconds, expected
@@ -245,16 +318,18 @@ class SpecPolicy:
             # A device proposer runs one more forward for each position past its longest draft so far,
             # and each of its draft tokens is one more row of a forward.
             drafted, positions, longest = [0] * len(requests), draft_positions, []
-            rows, device_rows = 0, []
+            rows, device_rows, caught_up, catch_up_seconds = 0, [], 0.0, []
             for _, i in order:
                 if on_device[i]:
                     drafted[i] += 1
                     positions = max(positions, drafted[i])
                     rows += 1
+                    caught_up += catch_ups.get(i, 0.0) if drafted[i] == 1 else 0.0
                 longest.append(positions)
                 device_rows.append(rows)
+                catch_up_seconds.append(caught_up)
             forwards = draft_cost * (np.array(longest, dtype=np.float64) - draft_positions)
-            forwards += row_cost * np.array(device_rows, dtype=np.float64)
+            forwards += row_cost * np.array(device_rows, dtype=np.float64) + np.array(catch_up_seconds)
             totals = seconds + added + forwards + (0.0 if already_spec else spec_cost)
             rates = expected_at / totals
             top = int(np.argmax(rates))  # the first of equals: the shortest plan with the best rate
@@ -268,7 +343,11 @@ class SpecPolicy:
             reason = "no_gain" if order else "budget"
         if best and not already_spec:
             edge = (expected / seconds) / (plain_expected / plain_seconds)
-            explore = cost.is_fitted and edge < EXPLORE_MARGIN and cost.plain_support(plain_tokens) < EXPLORE_BELOW
+            support = cost.plain_support(plain_tokens)
+            if cost.is_fitted:
+                explore = support < EXPLORE_UNSEEN or (edge < EXPLORE_MARGIN and support < EXPLORE_BELOW)
+            else:  # a device proposer's first forward feeds each row's whole sequence: not on a guess
+                explore = any(on_device[i] for _, i in order[:best])
             if edge <= 1.0 + REQUIRED_EDGE or explore:
                 reason = "explore" if edge > 1.0 + REQUIRED_EDGE else "margin"
                 chosen, expected, seconds, edge = [0] * len(requests), plain_expected, plain_seconds, 1.0
@@ -302,7 +381,7 @@ class SpecPolicy:
         if self.drafting.catch_up is not None:
             behind = [requests[i] for i in waited]
             fed = sum(self.drafting.catch_up(behind, [1] * len(behind)))
-        interval = self._probe_interval(requests, fed, prefill)
+        interval = self._probe_interval(requests, len(waited), fed, prefill)
         due = {}
         for i, state in waited.items():
             state.plain_steps += 1
@@ -315,10 +394,11 @@ class SpecPolicy:
             waited[i].plain_steps = 0
         return rows
 
-    def _probe_interval(self, requests: list[Request], num_fed: int, prefill: StepShape) -> float:
+    def _probe_interval(self, requests: list[Request], num_rows: int, num_fed: int, prefill: StepShape) -> float:
         """`probe_interval`, or more where a round of probes (the proposer's forward in a plain
-        step, over `num_fed` tokens: each row's catch-up on what it emitted since its last draft)
-        would cost more than `probe_budget` of the plain steps it waits through. The catch-up
+        step, over `num_fed` tokens of `num_rows` rows: each row's catch-up on what it emitted
+        since its last draft) would cost more than `probe_budget` of the plain steps it waits
+        through. The catch-up
         grows with the wait, so where feeding a row's tokens to the proposer alone costs more
         than the budget (a draft model on a CPU: each token a row of its forward), the wait
         outgrows every row and probes stop; rows then draft again only where their estimates
@@ -329,7 +409,8 @@ class SpecPolicy:
         context = sum(r.num_computed_tokens + 1 for r in requests) + prefill.num_context
         plain = StepShape(len(requests) + prefill.num_tokens, context, num_logits=len(requests) + prefill.num_logits)
         seconds = self.cost.predict(plain)
-        premium = self.cost.predict(replace(plain, num_draft_forwards=1, num_draft_rows=num_fed)) - seconds
+        forward, row = self._forward_prices()
+        premium = forward + row * num_rows + self._catch_up_seconds(num_fed - num_rows)
         if seconds <= 0.0 or premium <= 0.0:
             return interval
         return max(interval, premium / (self.config.probe_budget * seconds))
@@ -386,8 +467,14 @@ class SpecPolicy:
             self.emitted_tokens += emitted
         self.cost.observe(shape, seconds)
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, num_output_tokens: int | None = None) -> None:
+        """The request ended; `num_output_tokens`: what it made, where it ended on its own (a
+        stop or its length), for the mean output the catch-up charges amortize over."""
         self.estimates.free(request_id)
+        if num_output_tokens:
+            mean = self.mean_output_tokens
+            w = OUTPUT_LENGTH_WEIGHT
+            self.mean_output_tokens = num_output_tokens if mean is None else (1 - w) * mean + w * num_output_tokens
 
     def acceptance(self, request_id: str) -> float | None:
         """Estimated acceptance of the request's first draft token (None: no record)."""

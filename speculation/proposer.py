@@ -54,6 +54,7 @@ class Drafting:
     lookup: DraftLengths | None = None  # beside a device proposer: prompt-lookup drafts' lengths
     available: DraftLengths | None = None  # drafts made ahead (n-gram, Predicted Outputs): their lengths
     catch_up: DraftLengths | None = None  # a device proposer: tokens its first forward would feed each row
+    forward_cost_ratio: float | None = None  # a device proposer's (`Proposer.forward_cost_ratio`)
     info: dict | None = None  # what the proposer shows of itself (an EAGLE head: path, vocabulary, record)
 
     @property
@@ -111,6 +112,13 @@ class Proposer:
     def feed_lengths(self, requests: list[Request], num_tokens: list[int]) -> list[int]:
         """Tokens the first draft forward would feed each request now (its catch-up)."""
         raise NotImplementedError(f"{self.method} drafts on the host")
+
+    @property
+    def forward_cost_ratio(self) -> float | None:
+        """What one of its forwards costs against a target forward over as many token rows: the
+        weights they multiply by, its over the target's. The policy prices its forwards so until
+        steps have measured them (None: it runs none)."""
+        return None
 
     def verified(self, request_id: str, num_valid: int) -> None:
         """The target kept the request's positions < num_valid: later ones held rejected drafts."""

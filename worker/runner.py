@@ -119,6 +119,7 @@ class ModelRunner:
             lookup=self.host.lookup_lengths if self.lookup is not None else None,
             available=self.host.lengths,
             catch_up=proposer.feed_lengths if proposer.capabilities.on_device else None,
+            forward_cost_ratio=proposer.forward_cost_ratio,
             info=proposer.info(),
         )
 
@@ -200,6 +201,7 @@ class ModelRunner:
         return StepOutput(
             rows=[outputs.get(row.request_id) or RowOutput(row.request_id) for row in plan.rows],
             num_draft_rows=plan.draft.num_computed if plan.draft is not None else 0,
+            num_draft_catch_up=plan.draft.num_catch_up if plan.draft is not None else 0,
             phase_seconds=phases,
             accepted_per_position=accepted_per_position,
             grammar_mask_seconds=plan.grammar_mask_seconds,
