@@ -20,6 +20,7 @@ from models.linear_kernels import (
     TunedLinear,
     install,
     linear_layers,
+    linear_params,
     transposed_linear,
 )
 from models.loader import ModelConfig, load_model
@@ -123,3 +124,11 @@ def test_the_row_by_row_product_computes_linear_and_each_row_alone(built_kernels
     shuffled = torch.randn(4, dim, generator=generator).to(dtype)
     beside = linear_kernels.linear(torch.cat([shuffled, rows[5:6]]), weight, None, ROWWISE)
     assert torch.equal(beside[-1], linear_kernels.linear(rows[5:6], weight, None, ROWWISE)[0])
+
+
+def test_linear_params_count_each_weight_once_tied_output_included(tiny_llama_dir):
+    model = load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu", tune_kernels=False)).model
+    layers = linear_layers(model)
+    assert linear_params(model) == sum({id(m.weight): m.weight.numel() for m in layers}.values())
+    assert linear_params(model) <= sum(m.weight.numel() for m in layers)
+    assert linear_params(nn.Sequential(nn.Linear(4, 3), nn.Embedding(10, 4))) == 12  # a lookup reads one row

@@ -154,3 +154,31 @@ def test_every_prefix_of_a_draft_is_priced_in_one_call_as_one_at_a_time():
         one_by_one = [model.added_tokens_cost(start, m) for m in range(1, extra + 1)]
         assert batch.tolist() == pytest.approx(one_by_one, rel=1e-9, abs=1e-12)
     assert len(StepCostModel().added_tokens_costs(4, 3)) == 3  # an unfitted model prices drafts at 0
+
+
+def test_a_catch_up_is_priced_apart_from_the_rows_of_a_draft_forward():
+    """A draft model's catch-up feed is a prefill in it: per token dearer than a row of its usual
+    one-to-five-row forwards. Priced as rows alone, one long feed came out at a fifth of its time."""
+
+    def cost(s: StepShape) -> float:
+        return (
+            0.05
+            + 0.001 * s.num_tokens
+            + 0.01 * s.num_draft_forwards
+            + 0.0005 * s.num_draft_rows
+            + 0.002 * s.num_catch_up
+        )
+
+    rng = random.Random(1)
+    model = StepCostModel()
+    for _ in range(600):
+        rows, forwards = rng.randint(1, 8), rng.choice([0, 1, 2, 4])
+        fed = rng.choice([0, 0, 0, 0, 3, 50, 200]) if forwards else 0
+        shape = StepShape(rows * (1 + forwards), 0, forwards > 0, forwards, rows * (1 + forwards),
+                          rows * forwards + fed, fed)  # fmt: skip
+        model.observe(shape, cost(shape) * (1 + rng.gauss(0, 0.02)))
+    assert model.catch_up_cost == pytest.approx(0.002, rel=0.15)
+    long = StepShape(8, 0, True, 4, 8, 4 + 300, 300)  # a catch-up longer than any seen
+    assert model.predict(long) == pytest.approx(cost(long), rel=0.1)
+    assert model.catch_up_support >= 3 and model.draft_support >= 3
+    assert model.summary()["ms_per_catch_up_token"] == pytest.approx(2.0, rel=0.15)

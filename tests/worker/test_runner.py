@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from models.kv_cache import KVCache
+from models.linear_kernels import linear_params
 from models.loader import ModelConfig, load_model
 from models.transfer import TransferCounter
 from scheduler.offline import run_offline
@@ -270,6 +271,21 @@ def test_rows_only_a_forward_can_draft_for_keep_what_they_asked(tiny_llama_dir, 
     request = running("r", [20, 21, 22, 23], 0)
     step(runner, [request], [0])
     assert runner.drafting.available([request], [3]) == [3]
+
+
+def test_a_draft_models_forwards_are_priced_by_its_weights_and_its_catch_up_reported(tiny_llama_dir, tiny_draft_dir):
+    """The policy prices the draft model's forwards as the target's over as many rows, scaled by
+    their weights, until steps measure them; a step reports the catch-up its first forward fed."""
+    runner = make_runner(tiny_llama_dir, "draft_model", tiny_draft_dir)
+    draft = runner.proposer.draft
+    ratio = linear_params(draft.model) / linear_params(runner.target.model)
+    assert runner.drafting.forward_cost_ratio == pytest.approx(ratio)
+    request = running("c", runner.target.tokenizer(PROMPTS[0]).input_ids, 0)
+    step(runner, [request], [0])  # the prompt: the draft model has seen none of it
+    row = ScheduledRow(request, [request.output_ids[-1]], request.num_computed_tokens, True, 2)
+    out = runner.execute(Batch(rows=[row]))
+    assert out.num_draft_catch_up == request.num_computed_tokens  # the prompt; the last token is the row's own
+    assert out.num_draft_rows == request.num_computed_tokens + 1 + 1  # that feed, then the second position
 
 
 def test_a_row_is_finite_exactly_when_none_of_its_logits_is_nan_or_infinite():
