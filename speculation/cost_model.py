@@ -11,7 +11,7 @@ pair, Qwen2.5-Coder-0.5B drafting for 1.5B, pricing forwards alone learned the
 cost at one stream and lost 22% to plain decoding at 8), F the catch-up tokens past each row's
 last one (a row that has not drafted for a while feeds its gap, the whole sequence the first
 time: the draft model's prefill, compute-bound where its other rows are not; on that pair a
-292-token catch-up made a 4-stream step of 70 ms take 600, where R's price, learned from the
+292-token catch-up made a 4-stream step of 53-70 ms take 600-650, where R's price, learned from the
 usual one-to-five-token feeds, was 0.35 ms a row), L the positions the output projection
 computes logits for (every sampling row's last token and drafts; a prefill
 chunk's other tokens get none). L is what separates a verify step from a

@@ -218,23 +218,25 @@ class SpecPolicy:
 
     def _catch_up_charges(
         self, requests: list[Request], candidates: list[tuple[float, int]], lookup_rows: frozenset[int]
-    ) -> dict[int, float]:
-        """Seconds a step is charged for a device row's first draft position: its catch-up feed
-        past its last token (what it emitted since the proposer last drafted for it; its whole
-        sequence the first time) at the learned cost per token, amortized over the tokens that
-        feed serves. The feed is paid once and every later verify of the row reuses it, so the
-        step is charged the share of it that the row's expected tokens this step are of those it
-        has left: its `max_tokens` left, or the mean output of recent requests where that is
-        less (a request that has run for a while is expected to run about as long again)."""
+    ) -> dict[int, tuple[float, float]]:
+        """Per device row with a catch-up past its last token (what it emitted since the proposer
+        last drafted for it; its whole sequence the first time): (seconds charged in full to its
+        first position, seconds charged per token the row is expected to make this step).
+
+        Up to a draft's length of the feed recurs every verify (a head re-feeds the tokens it
+        drafted and the target accepted) and is paid in full. The rest is paid once and serves
+        every later verify of the row, so it is spread over the tokens the row has left: its
+        `max_tokens` left, or the mean output of recent finished requests where that is less
+        (memoryless: a request is expected to make about that many more)."""
         if self.drafting.catch_up is None:
             return {}
-        expected: dict[int, float] = {}
-        for gain, i in candidates:
+        positions: dict[int, int] = {}
+        for _, i in candidates:
             if self._on_device(requests[i], i, lookup_rows):
-                expected[i] = expected.get(i, 1.0) + gain
-        if not expected:
+                positions[i] = positions.get(i, 0) + 1
+        if not positions:
             return {}
-        rows = list(expected)
+        rows = list(positions)
         feeds = self.drafting.catch_up([requests[i] for i in rows], [1] * len(rows))
         charges = {}
         for i, fed in zip(rows, feeds):
@@ -243,7 +245,9 @@ class SpecPolicy:
                 left = float(max(request.params.max_tokens - len(request.output_ids), 1))
                 if self.mean_output_tokens is not None:
                     left = min(left, max(self.mean_output_tokens, 1.0))
-                charges[i] = self._catch_up_seconds(fed - 1) * min(expected[i] / left, 1.0)
+                recurring = self._catch_up_seconds(min(fed - 1, positions[i]))
+                once = max(self._catch_up_seconds(fed - 1) - recurring, 0.0)
+                charges[i] = (recurring, once / left)
         return charges
 
     def _forward_prices(self) -> tuple[float, float]:
@@ -275,7 +279,7 @@ class SpecPolicy:
         prefill: StepShape,
         lookup_rows: frozenset[int],
         grammar_rows: frozenset[int] = frozenset(),
-        catch_ups: dict[int, float] | None = None,
+        catch_ups: dict[int, tuple[float, float]] | None = None,
     ) -> StepPlan:
         """The best prefix of the candidates (by decreasing gain) for the decode rows' tokens per second.
 
@@ -283,7 +287,8 @@ class SpecPolicy:
         the best wins rather than the first token that stops paying, since a step's cost need
         not be convex in its tokens. The rate is over the decode rows' own time: a prefill
         chunk is paid either way (tokens are still priced at the whole step's size). A device
-        row's first position also pays its share of its catch-up (`catch_ups`).
+        row's positions also pay their share of its catch-up (`_catch_up_charges`): the first
+        its recurring part, each its expected tokens' share of the rest.
         """
         catch_ups = catch_ups or {}
         forced = sum(ks)
@@ -319,12 +324,14 @@ class SpecPolicy:
             # and each of its draft tokens is one more row of a forward.
             drafted, positions, longest = [0] * len(requests), draft_positions, []
             rows, device_rows, caught_up, catch_up_seconds = 0, [], 0.0, []
-            for _, i in order:
+            for gain, i in order:
                 if on_device[i]:
                     drafted[i] += 1
                     positions = max(positions, drafted[i])
                     rows += 1
-                    caught_up += catch_ups.get(i, 0.0) if drafted[i] == 1 else 0.0
+                    recurring, per_token = catch_ups.get(i, (0.0, 0.0))
+                    caught_up += recurring + per_token if drafted[i] == 1 else 0.0
+                    caught_up += per_token * gain
                 longest.append(positions)
                 device_rows.append(rows)
                 catch_up_seconds.append(caught_up)

@@ -4,6 +4,8 @@ the row has left; and the plain step's price is never taken from verify steps al
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler.types import Request, SamplingParams
 from speculation.config import SpecConfig
 from speculation.cost_model import StepShape
@@ -40,15 +42,31 @@ def test_a_long_catch_up_is_paid_only_where_the_row_has_tokens_left_to_repay_it(
     tokens to go repays it at 5 tokens a verify; one with 16 to go, three verifies, does not. Each
     row's first verify would otherwise pay: a plain step makes 1 token in 51 ms, a verify of 4
     sure drafts 5 in about 120."""
-    feeds = {"caught-up": 1, "long": 2000, "short": 2000}
+    feeds = {"caught-up": 1, "long": 2000, "short": 2000, "nearly-done": 2000}
     policy = policy_with(feeds)
     caught_up, long, short = row("caught-up", 1000), row("long", 1000), row("short", 16)
-    for request in (caught_up, long, short):
+    nearly_done = row("nearly-done", 1000, emitted=984)
+    for request in (caught_up, long, short, nearly_done):
         accepted_everything(policy, request)
     assert decide(policy, [caught_up]) == [4]
     assert decide(policy, [long]) == [4]
     assert decide(policy, [short]) == [0]
-    assert policy.plain_steps["no_gain"] == 1
+    assert decide(policy, [nearly_done]) == [0]
+    assert policy.plain_steps["no_gain"] == 2
+
+
+def test_the_part_of_a_feed_that_recurs_every_verify_is_paid_in_full():
+    """A head re-feeds the tokens it drafted and the target accepted, every verify: up to a
+    draft's length of a feed is paid by the step in full; only the rest is spread over the
+    tokens the row has left."""
+    policy = policy_with({"head": 5, "prompt": 2001})
+    head, prompt = row("head", 1000), row("prompt", 1000)
+    candidates = [(0.9, 0)] * 4 + [(0.9, 1)] * 4
+    charges = policy._catch_up_charges([head, prompt], candidates, frozenset())
+    four = policy._catch_up_seconds(4)
+    assert four > 0 and charges[0] == (four, 0.0)
+    assert charges[1][0] == four
+    assert charges[1][1] * 1000 == pytest.approx(policy._catch_up_seconds(2000) - four)
 
 
 def test_the_tokens_left_follow_the_mean_output_of_finished_requests():
@@ -58,10 +76,14 @@ def test_the_tokens_left_follow_the_mean_output_of_finished_requests():
     long = row("long", 1000)
     accepted_everything(policy, long)
     assert decide(policy, [long]) == [4]
-    for i in range(30):
+    policy.free("first", 100)
+    assert policy.mean_output_tokens == 100
+    policy.free("second", 10)
+    assert policy.mean_output_tokens == pytest.approx(91.0)  # the newest weighs a tenth
+    for i in range(60):
         policy.free(f"done{i}", 16)
     policy.free("aborted", None)  # an abort says nothing about lengths
-    assert policy.mean_output_tokens is not None and abs(policy.mean_output_tokens - 16) < 1e-6
+    assert policy.mean_output_tokens == pytest.approx(16, abs=0.5)
     assert decide(policy, [long]) == [0]
 
 

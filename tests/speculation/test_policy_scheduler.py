@@ -97,3 +97,25 @@ def test_a_policy_fault_runs_the_step_plain_instead_of_stopping_the_engine():
         output = fake_step(batch)
         s.update(batch, output, step_seconds(batch, output))
     assert all(len(r.output_ids) == 3 for r in requests)  # a prefill, then two plain decode steps
+
+
+def test_the_policy_learns_the_length_of_requests_that_end_on_their_own():
+    """A finished request tells the policy its output length (the catch-up charge's horizon);
+    an aborted one does not."""
+    config = SchedulerConfig(max_num_seqs=4, max_model_len=4096, max_num_batched_tokens=1024,
+                             spec=SpecConfig(num_speculative_tokens=4))  # fmt: skip
+    s = Scheduler(config, Drafting("ngram"))
+    for i in range(3):
+        s.add(Request(f"copy{i}", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)))
+    s.add(Request("creative-aborted", [1, 2, 3], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)))
+    for _ in range(3):
+        batch, _ = s.schedule()
+        output = fake_step(batch)
+        s.update(batch, output, step_seconds(batch, output))
+    s.abort("creative-aborted")
+    while s.has_work:
+        batch, _ = s.schedule()
+        if batch.rows:
+            output = fake_step(batch)
+            s.update(batch, output, step_seconds(batch, output))
+    assert s.policy.mean_output_tokens == 5
