@@ -24,6 +24,7 @@ from scheduler.types import PLAIN_REASONS, Request, StepPlan
 from speculation import registry
 from speculation.config import SpecConfig
 from speculation.cost_model import StepCostModel, StepShape
+from speculation.draft_pricing import DraftPrices, catch_up_charges
 from speculation.estimates import AcceptanceEstimates, RowEstimate
 from speculation.proposer import Drafting
 from speculation.registry import Capabilities
@@ -50,12 +51,6 @@ EXPLORE_BELOW, EXPLORE_MARGIN, EXPLORE_UNSEEN = 0.5, 2.0, 0.05
 REQUIRED_EDGE = 0.05
 # Weight of the newest finished request in the mean output length (about the last ten count).
 OUTPUT_LENGTH_WEIGHT = 0.1
-# Recent steps (a decayed count) that must have measured a device proposer's forwards, or its
-# long catch-up feeds, before the fit's price for them replaces the prior: the target's own step
-# over as many rows, scaled by the proposer's `forward_cost_ratio`. Fitted from one or two steps,
-# where the forwards, their rows and the catch-up all grow together, the split between them
-# was arbitrary (on the real pair, 58 ms a forward after two catch-ups, against 14 measured).
-MEASURED = 3.0
 
 
 @dataclass
@@ -219,15 +214,7 @@ class SpecPolicy:
     def _catch_up_charges(
         self, requests: list[Request], candidates: list[tuple[float, int]], lookup_rows: frozenset[int]
     ) -> dict[int, tuple[float, float]]:
-        """Per device row with a catch-up past its last token (what it emitted since the proposer
-        last drafted for it; its whole sequence the first time): (seconds charged in full to its
-        first position, seconds charged per token the row is expected to make this step).
-
-        Up to a draft's length of the feed recurs every verify (a head re-feeds the tokens it
-        drafted and the target accepted) and is paid in full. The rest is paid once and serves
-        every later verify of the row, so it is spread over the tokens the row has left: its
-        `max_tokens` left, or the mean output of recent finished requests where that is less
-        (memoryless: a request is expected to make about that many more)."""
+        """`draft_pricing.catch_up_charges` for the device rows among the candidates."""
         if self.drafting.catch_up is None:
             return {}
         positions: dict[int, int] = {}
@@ -237,38 +224,12 @@ class SpecPolicy:
         if not positions:
             return {}
         rows = list(positions)
-        feeds = self.drafting.catch_up([requests[i] for i in rows], [1] * len(rows))
-        charges = {}
-        for i, fed in zip(rows, feeds):
-            if fed > 1:
-                request = requests[i]
-                left = float(max(request.params.max_tokens - len(request.output_ids), 1))
-                if self.mean_output_tokens is not None:
-                    left = min(left, max(self.mean_output_tokens, 1.0))
-                recurring = self._catch_up_seconds(min(fed - 1, positions[i]))
-                once = max(self._catch_up_seconds(fed - 1) - recurring, 0.0)
-                charges[i] = (recurring, once / left)
-        return charges
+        feeds = dict(zip(rows, self.drafting.catch_up([requests[i] for i in rows], [1] * len(rows))))
+        return catch_up_charges(self.prices, requests, positions, feeds, self.mean_output_tokens)
 
-    def _forward_prices(self) -> tuple[float, float]:
-        """(seconds a device proposer's forward costs, seconds each row adds to it): the fit's,
-        where recent steps measured them, else the prior (`MEASURED`)."""
-        cost, ratio = self.cost, self.drafting.forward_cost_ratio
-        if ratio is None or cost.draft_support >= MEASURED:
-            return cost.draft_forward_cost, cost.draft_row_cost
-        one = cost.predict(StepShape(1, num_logits=1))
-        return ratio * one, ratio * max(cost.predict(StepShape(2, num_logits=2)) - one, 0.0)
-
-    def _catch_up_seconds(self, num_tokens: int) -> float:
-        """What `num_tokens` catch-up tokens past their rows' last ones add to a forward: rows of
-        it at the fit's prices (each a row, and a catch-up token) where recent steps measured
-        long feeds, else the prior's, a target prefill of as many tokens scaled down."""
-        cost, ratio = self.cost, self.drafting.forward_cost_ratio
-        if num_tokens <= 0:
-            return 0.0
-        if ratio is None or cost.catch_up_support >= MEASURED:
-            return (cost.draft_row_cost + cost.catch_up_cost) * num_tokens
-        return ratio * cost.added_tokens_cost(1, num_tokens)
+    @property
+    def prices(self) -> DraftPrices:
+        return DraftPrices(self.cost, self.drafting.forward_cost_ratio)
 
     def _choose(
         self,
@@ -310,7 +271,7 @@ class SpecPolicy:
                             num_logits=decode.num_logits + prefill.num_logits)  # fmt: skip
             prefill_seconds = max(cost.predict(whole) - seconds, 0.0)
             spec_cost, logits_cost = cost.spec_cost, cost.logits_cost
-            draft_cost, row_cost = self._forward_prices()
+            draft_cost, row_cost = self.prices.forward()
         else:  # nothing measured yet: a memory-bound guess (a token costs 2% of a step)
             seconds, prefill_seconds, spec_cost, draft_cost, logits_cost, row_cost = 1.0, 0.0, 0.0, 0.0, 0.0, 0.0
         plain_seconds, plain_expected = seconds, expected
@@ -416,8 +377,9 @@ class SpecPolicy:
         context = sum(r.num_computed_tokens + 1 for r in requests) + prefill.num_context
         plain = StepShape(len(requests) + prefill.num_tokens, context, num_logits=len(requests) + prefill.num_logits)
         seconds = self.cost.predict(plain)
-        forward, row = self._forward_prices()
-        premium = forward + row * num_rows + self._catch_up_seconds(num_fed - num_rows)
+        prices = self.prices
+        forward, row = prices.forward()
+        premium = forward + row * num_rows + prices.catch_up_seconds(num_fed - num_rows)
         if seconds <= 0.0 or premium <= 0.0:
             return interval
         return max(interval, premium / (self.config.probe_budget * seconds))

@@ -63,10 +63,10 @@ def test_the_part_of_a_feed_that_recurs_every_verify_is_paid_in_full():
     head, prompt = row("head", 1000), row("prompt", 1000)
     candidates = [(0.9, 0)] * 4 + [(0.9, 1)] * 4
     charges = policy._catch_up_charges([head, prompt], candidates, frozenset())
-    four = policy._catch_up_seconds(4)
+    four = policy.prices.catch_up_seconds(4)
     assert four > 0 and charges[0] == (four, 0.0)
     assert charges[1][0] == four
-    assert charges[1][1] * 1000 == pytest.approx(policy._catch_up_seconds(2000) - four)
+    assert charges[1][1] * 1000 == pytest.approx(policy.prices.catch_up_seconds(2000) - four)
 
 
 def test_the_tokens_left_follow_the_mean_output_of_finished_requests():

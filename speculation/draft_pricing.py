@@ -1,0 +1,75 @@
+"""What a device proposer's work adds to a step, as the policy prices it: its forwards, their
+rows, and the catch-up its first forward feeds each row (docs/speculation.md, "The catch-up").
+
+The cost model's fitted prices are used where recent steps measured them; until then, the prior:
+the target's own learned step over as many rows, scaled by the proposer's `forward_cost_ratio`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from scheduler.types import Request
+from speculation.cost_model import StepCostModel, StepShape
+
+# Recent steps (a decayed count) that must have measured a device proposer's forwards, or its
+# long catch-up feeds, before the fit's price for them replaces the prior: the target's own step
+# over as many rows, scaled by the proposer's `forward_cost_ratio`. Fitted from one or two steps,
+# where the forwards, their rows and the catch-up all grow together, the split between them
+# was arbitrary (on the real pair, 58 ms a forward after two catch-ups, against 14 measured).
+MEASURED = 3.0
+
+
+@dataclass(frozen=True)
+class DraftPrices:
+    cost: StepCostModel
+    ratio: float | None  # `Proposer.forward_cost_ratio` (None: no prior)
+
+    def forward(self) -> tuple[float, float]:
+        """(seconds a forward costs, seconds each row adds to it)."""
+        cost, ratio = self.cost, self.ratio
+        if ratio is None or cost.draft_support >= MEASURED:
+            return cost.draft_forward_cost, cost.draft_row_cost
+        one = cost.predict(StepShape(1, num_logits=1))
+        return ratio * one, ratio * max(cost.predict(StepShape(2, num_logits=2)) - one, 0.0)
+
+    def catch_up_seconds(self, num_tokens: int) -> float:
+        """What `num_tokens` catch-up tokens past their rows' last ones add to a forward: rows of
+        it at the fit's prices (each a row, and a catch-up token) where recent steps measured
+        long feeds, else the prior's, a target prefill of as many tokens scaled down."""
+        cost, ratio = self.cost, self.ratio
+        if num_tokens <= 0:
+            return 0.0
+        if ratio is None or cost.catch_up_support >= MEASURED:
+            return (cost.draft_row_cost + cost.catch_up_cost) * num_tokens
+        return ratio * cost.added_tokens_cost(1, num_tokens)
+
+
+def catch_up_charges(
+    prices: DraftPrices,
+    requests: list[Request],
+    positions: Mapping[int, int],
+    feeds: Mapping[int, int],
+    mean_output_tokens: float | None,
+) -> dict[int, tuple[float, float]]:
+    """Per row i with a catch-up past its last token (`feeds[i]` tokens fed; `positions[i]` it
+    may draft): (seconds charged in full to its first position, seconds charged per token the
+    row is expected to make this step).
+
+    Up to a draft's length of the feed recurs every verify (a head re-feeds the tokens it
+    drafted and the target accepted) and is paid in full. The rest is paid once and serves
+    every later verify of the row, so it is spread over the tokens the row has left: its
+    `max_tokens` left, or the mean output of recent finished requests where that is less
+    (memoryless: a request is expected to make about that many more)."""
+    charges = {}
+    for i, fed in feeds.items():
+        if fed > 1:
+            request = requests[i]
+            left = float(max(request.params.max_tokens - len(request.output_ids), 1))
+            if mean_output_tokens is not None:
+                left = min(left, max(mean_output_tokens, 1.0))
+            recurring = prices.catch_up_seconds(min(fed - 1, positions[i]))
+            once = max(prices.catch_up_seconds(fed - 1) - recurring, 0.0)
+            charges[i] = (recurring, once / left)
+    return charges
