@@ -244,8 +244,9 @@ class StepCostModel:
 
     def _solve(self) -> None:
         # The ridges' scale is the target step's own features': a draft model's catch-up feeds
-        # hundreds of rows in one step, and that one step in the trace made the pull toward the
-        # mean outweigh the plain steps' data (a 4-row plain step, 70 ms, was then priced at 650).
+        # hundreds of rows in one step, and squared in the trace they would set every ridge by
+        # that one feature's size rather than the step's. (Not the cause of the mispriced plain
+        # steps on the real pair: that was the fresh server's first verify, `policy.EXPLORE_UNSEEN`.)
         target = self._xx[_TARGET_FEATURES, _TARGET_FEATURES]
         scale = max(float(target.sum()) / len(target), 1e-12)
         matrix = self._xx + self.smoothness * scale * (_SMOOTH.T @ _SMOOTH)
