@@ -110,6 +110,7 @@ def build_components(settings: Settings) -> Components:
             draft_head=str(head) if (head := settings.resolved_draft_head) else None,
             suffix_cache_requests=settings.suffix_cache_requests if settings.suffix_global == "on" else 0,
             lookup=settings.draft_lookup == "on",
+            stop_confidence=settings.draft_stop_confidence,
         ),
     )
     config = runner.config

@@ -268,6 +268,14 @@ class Settings(BaseSettings):
         "where its lookup draft is expected to accept at least as many tokens (learned per request from free "
         "shadow drafts), so quoting and copying draft long at no draft-forward cost; off: the model or head only.",
     )
+    draft_stop_confidence: float = Field(
+        0.5,
+        ge=0.0,
+        lt=1.0,
+        description="--draft draft_model or eagle, on a CPU: a row's draft ends after a token the model itself gave "
+        "less than this probability (the draft length K is then a cap), and the target verifies only what was "
+        "drafted; lossless whatever the value; 0: every row drafts its K.",
+    )
     spec_adaptive: bool = Field(True, description="Adapt each request's draft length to its own acceptance history.")
     max_request_speculative_tokens: int = Field(
         MAX_SPEC_TOKENS,

@@ -26,6 +26,8 @@ class ProposerConfig:
     suffix_cache_requests: int = 256  # finished outputs suffix decoding keeps (0: per-request trees only)
     # Beside a proposer that drafts on the device: prompt lookup as a second source, per row.
     lookup: bool = True
+    # A device proposer on a CPU ends a row's draft after a token it gave less than this probability.
+    stop_confidence: float = 0.5
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -37,6 +39,8 @@ class ProposerConfig:
             raise ValueError(f"--draft {self.method} needs --{needs.replace('_', '-')}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("ngram sizes must satisfy 1 <= min <= max")
+        if not 0.0 <= self.stop_confidence < 1.0:
+            raise ValueError("stop_confidence must be in [0, 1)")
 
 
 @dataclass

@@ -25,8 +25,10 @@ from speculation.proposer import BuildContext
 class DraftModelProposer(DeviceProposer):
     method = "draft_model"
 
-    def __init__(self, draft: LoadedModel, vocab_size: int, cost_ratio: float | None = None):
-        super().__init__(vocab_size)
+    def __init__(
+        self, draft: LoadedModel, vocab_size: int, cost_ratio: float | None = None, stop_confidence: float = 0.0
+    ):
+        super().__init__(vocab_size, stop_confidence)
         self.draft = draft
         self.cost_ratio = cost_ratio
         self.paged_limits = draft.paged_limits  # its catch-up feeds read the pool as its verify rows would
@@ -50,7 +52,8 @@ class DraftModelProposer(DeviceProposer):
         )
         draft = load_model(config)
         check_draft_compatible(target, draft)
-        return cls(draft, target.vocab_size, linear_params(draft.model) / max(linear_params(target.model), 1))
+        ratio = linear_params(draft.model) / max(linear_params(target.model), 1)
+        return cls(draft, target.vocab_size, ratio, context.config.stop_confidence)
 
     @property
     def forward_cost_ratio(self) -> float | None:
@@ -72,8 +75,8 @@ class DraftModelProposer(DeviceProposer):
         start = min(self._computed.get(request.request_id, 0), request.num_computed_tokens)
         return start, start, request.num_tokens
 
-    def _fed_after(self, request: Request, start: int, feed: list[int], k: int) -> int:
-        return start + len(feed) + k - 1  # the drafts fed back too; `verified` trims the rejected ones
+    def _fed_after(self, request: Request, start: int, num_fed: int, k: int) -> int:
+        return start + num_fed + k - 1  # the drafts fed back too; `verified` trims the rejected ones
 
     def _first_logits(self, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         assert self.cache is not None, "allocate() first"

@@ -48,8 +48,15 @@ class EagleProposer(DeviceProposer):
     method = "eagle"
     uses_features = True
 
-    def __init__(self, head: EagleHead, head_dir: Path, vocab_size: int, cost_ratio: float | None = None):
-        super().__init__(vocab_size)
+    def __init__(
+        self,
+        head: EagleHead,
+        head_dir: Path,
+        vocab_size: int,
+        cost_ratio: float | None = None,
+        stop_confidence: float = 0.0,
+    ):
+        super().__init__(vocab_size, stop_confidence)
         self.head = head
         self.cost_ratio = cost_ratio
         self.head_dir = Path(head_dir)
@@ -76,7 +83,8 @@ class EagleProposer(DeviceProposer):
         )
         # Its forward: the head's layers, then logits over its draft vocabulary.
         head_params = linear_params(head) + head.config.draft_vocab_size * head.config.hidden_size
-        return cls(head, head_dir, target.vocab_size, head_params / max(linear_params(target.model), 1))
+        ratio = head_params / max(linear_params(target.model), 1)
+        return cls(head, head_dir, target.vocab_size, ratio, context.config.stop_confidence)
 
     @property
     def forward_cost_ratio(self) -> float | None:
@@ -130,7 +138,7 @@ class EagleProposer(DeviceProposer):
         start = min(self._computed.get(request.request_id, 0), computed - 1)
         return start, start + 1, computed + 1
 
-    def _fed_after(self, request: Request, start: int, feed: list[int], k: int) -> int:
+    def _fed_after(self, request: Request, start: int, num_fed: int, k: int) -> int:
         return request.num_computed_tokens  # chained positions read predicted features: redone next step
 
     def _first_logits(self, layout: StepLayout, input_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

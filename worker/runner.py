@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,7 +33,7 @@ from models.grammar import GrammarState, fill_masks
 from models.kv_cache import ATTN_IMPLEMENTATION, KVCache, LayoutPlan
 from models.loader import LoadedModel
 from models.sampling import SamplingTensors, plan_penalty_counts
-from models.transfer import DeviceArrays
+from models.transfer import DeviceArrays, HostBuffer
 from scheduler.types import Batch, Request, RowOutput, ScheduledRow, StepOutput
 from speculation.host_drafts import HostDrafts
 from speculation.proposer import Drafting, Proposer
@@ -163,12 +163,13 @@ class ModelRunner:
         A failing draft model or head costs this step its drafts, never a request."""
         plan = self._prepare(rows)
         arrays = plan.buf.upload(self.device)
-        if plan.draft is None:
+        draft = plan.draft
+        if draft is None:
             return plan, arrays
         proposer = self.proposer
         assert proposer is not None
         try:
-            ids, q = proposer.run(plan.draft, arrays)
+            ids, q = proposer.run(draft, arrays)
         except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
             logger.exception("%s proposer failed; these rows decode plainly this step", proposer.method)
             plan = self._prepare(rows, device_drafting=False)
@@ -180,6 +181,9 @@ class ModelRunner:
         if num_verify:
             plan.device_ids = ids[:num_verify]
             plan.device_q = None if q is None else q[:num_verify]
+            if draft.num_drafted is not None and draft.num_drafted[:num_verify] != draft.num_tokens[:num_verify]:
+                plan = self._ended_early(plan)
+                arrays = plan.buf.upload(self.device)
         return plan, arrays
 
     def _verified(self, plan: PreparedStep, outputs: dict[str, RowOutput]) -> None:
@@ -218,7 +222,6 @@ class ModelRunner:
             assert proposer is not None
             num_draft[i] = rows[i].num_spec_tokens
             methods[i] = proposer.method
-        lens = [len(row.token_ids) + k for row, k in zip(rows, num_draft)]
         probe_rows = []
         if proposer is not None:
             probe_rows = [
@@ -233,37 +236,61 @@ class ModelRunner:
             methods=methods,
             draft=None,
             draft_rows=draft_rows,
-            layout=LayoutPlan.build(
-                [r.block_ids for r in rows],
-                [r.start_pos for r in rows],
-                lens,
-                self.config.block_size,
-                self.target.paged_limits,
-            ),
+            layout=self._layout(rows, num_draft),
             sample_rows=[i for i, row in enumerate(rows) if row.sample],
             shadows=self.host.shadows(rows),
             probe_rows=probe_rows,
             grammar_cut_tokens=grammar_cut,
         )
-        buf = plan.buf
         if draft_rows or probe_rows:
             assert proposer is not None
             try:  # probes ride in the same forwards, after the rows that verify
                 plan.draft = proposer.plan(
                     [rows[i].request for i in draft_rows + probe_rows],
                     [num_draft[i] for i in draft_rows] + [1] * len(probe_rows),
-                    buf,
+                    plan.buf,
                 )
             except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
                 logger.exception("%s proposer failed; these rows decode plainly this step", proposer.method)
                 return self._prepare(rows, device_drafting=False)
-        plan.layout.add_to(buf, "layout")
+        self._plan_target(plan, plan.draft.k_max if plan.draft else 0)
+        return plan
 
+    def _layout(self, rows: list[ScheduledRow], num_draft: list[int]) -> LayoutPlan:
+        lens = [len(row.token_ids) + k for row, k in zip(rows, num_draft)]
+        block_tables = [r.block_ids for r in rows]
+        return LayoutPlan.build(
+            block_tables, [r.start_pos for r in rows], lens, self.config.block_size, self.target.paged_limits
+        )
+
+    def _ended_early(self, plan: PreparedStep) -> PreparedStep:
+        """The step again for drafts the device proposer ended early (`DraftPlan.num_drafted`):
+        the target verifies only the tokens drafted, from its own fresh upload."""
+        assert plan.draft is not None and plan.draft.num_drafted is not None and plan.device_ids is not None
+        num_draft = list(plan.num_draft)
+        for i, n in zip(plan.draft_rows, plan.draft.num_drafted):
+            num_draft[i] = n
+        k = max(num_draft[i] for i in plan.draft_rows)
+        short = replace(
+            plan,
+            num_draft=num_draft,
+            layout=self._layout(plan.rows, num_draft),
+            buf=HostBuffer(),
+            device_ids=plan.device_ids[:, :k],
+            device_q=None if plan.device_q is None else plan.device_q[:, :k],
+        )
+        self._plan_target(short, k)
+        return short
+
+    def _plan_target(self, plan: PreparedStep, k_max: int) -> None:
+        """The target's part of the upload: its layout, the packed input (device drafts as
+        placeholders, filled from rows of `k_max` drafted ids) and the sampling."""
+        rows, num_draft, draft_rows, buf = plan.rows, plan.num_draft, plan.draft_rows, plan.buf
+        plan.layout.add_to(buf, "layout")
         input_ids: list[int] = []
         keep: list[int] = []
         fill_pos: list[int] = []
         fill_src: list[int] = []
-        k_max = plan.draft.k_max if plan.draft else 0
         draft_index = {row: d for d, row in enumerate(draft_rows)}
         for i, row in enumerate(rows):
             first_draft = len(input_ids) + len(row.token_ids)
@@ -272,7 +299,7 @@ class ModelRunner:
                 fill_pos += range(first_draft, first_draft + num_draft[i])
                 fill_src += range(draft_index[i] * k_max, draft_index[i] * k_max + num_draft[i])
                 input_ids += [0] * num_draft[i]  # placeholders: the drafts are on the device
-            elif (draft := host_drafts[i]) is not None:
+            elif (draft := plan.host_drafts[i]) is not None:
                 input_ids += draft.token_ids
             if row.sample:
                 keep += range(len(input_ids) - num_draft[i] - 1, len(input_ids))
@@ -283,7 +310,6 @@ class ModelRunner:
             buf.ints("fill_src", fill_src)
         if plan.sample_rows:
             self._plan_sampling(plan)
-        return plan
 
     def _plan_sampling(self, plan: PreparedStep) -> None:
         buf, rows, n_max = plan.buf, plan.rows, plan.n_max

@@ -43,12 +43,15 @@ PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E 
 SLOTS, MAX_LEN, BLOCK = 4, 256, 16
 
 
-def eagle_runner(model_dir: Path, head_dir: Path, max_num_seqs: int = SLOTS, **runner) -> ModelRunner:
+def eagle_runner(
+    model_dir: Path, head_dir: Path, max_num_seqs: int = SLOTS, stop_confidence: float = 0.0, **runner
+) -> ModelRunner:
+    """A runner whose head drafts every row's k (unless `stop_confidence` ends drafts early)."""
     target = load_model(ModelConfig(str(model_dir), dtype="float32", device="cpu"))
     return build_runner(
         target,
         RunnerConfig(max_num_seqs=max_num_seqs, max_model_len=MAX_LEN, block_size=BLOCK, **runner),
-        ProposerConfig("eagle", draft_head=str(head_dir)),
+        ProposerConfig("eagle", draft_head=str(head_dir), stop_confidence=stop_confidence),
     )
 
 

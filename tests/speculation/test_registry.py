@@ -83,6 +83,16 @@ def test_an_unknown_proposer_is_refused_everywhere():
         ProposerConfig("draft_model")
 
 
+def test_the_stop_confidence_is_a_probability_below_one():
+    """1 would end every draft after its first token whatever K says; the flag's bounds refuse it."""
+    assert ProposerConfig(stop_confidence=0.0).stop_confidence == 0.0
+    with pytest.raises(ValueError, match="stop_confidence"):
+        ProposerConfig(stop_confidence=1.0)
+    with pytest.raises(ValueError, match="draft_stop_confidence"):
+        Settings(draft_stop_confidence=-0.1)
+    assert build_parser().parse_args(["serve", "--draft-stop-confidence", "0.7"]).draft_stop_confidence == 0.7
+
+
 def test_a_toy_proposer_drafts_through_the_engine_losslessly(repeat, tiny_llama_dir):
     target = load_model(ModelConfig(str(tiny_llama_dir), dtype="float32", device="cpu"))
     config = SchedulerConfig(max_num_seqs=2, max_model_len=128, spec=SpecConfig(num_speculative_tokens=3))

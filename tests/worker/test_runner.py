@@ -24,13 +24,16 @@ from worker.runner import ModelRunner, RunnerConfig
 PROMPTS = ["Hello world! How are you", "def add(a, b):\n    return", "A B C D E F G", "for i in range(10):\n"]
 
 
-def make_runner(model_dir: Path, method: str = "ngram", draft: Path | None = None) -> ModelRunner:
-    """`draft`: the draft model's directory, or with method eagle the head's."""
+def make_runner(
+    model_dir: Path, method: str = "ngram", draft: Path | None = None, stop_confidence: float = 0.0
+) -> ModelRunner:
+    """`draft`: the draft model's directory, or with method eagle the head's. A device proposer
+    drafts every row's k unless `stop_confidence` ends drafts early (`DeviceProposer.run`)."""
     target = load_model(ModelConfig(str(model_dir), dtype="float32", device="cpu"))
     if method == "eagle":
-        proposer = ProposerConfig(method, draft_head=str(draft))
+        proposer = ProposerConfig(method, draft_head=str(draft), stop_confidence=stop_confidence)
     else:
-        proposer = ProposerConfig(method, str(draft) if draft else None)
+        proposer = ProposerConfig(method, str(draft) if draft else None, stop_confidence=stop_confidence)
     return build_runner(target, RunnerConfig(max_num_seqs=SLOTS, max_model_len=MAX_LEN, block_size=BLOCK), proposer)
 
 
@@ -296,3 +299,59 @@ def test_a_row_is_finite_exactly_when_none_of_its_logits_is_nan_or_infinite():
     logits[2, 0] = float("inf")
     logits[3, 999] = float("-inf")
     assert all_finite(logits).tolist() == [True, False, False, False, True]
+
+
+# -- drafts that end early (`DeviceProposer.stop_confidence`) --
+
+
+def test_drafts_end_after_an_unsure_token_and_the_text_is_the_plain_one(tiny_llama_dir, tiny_draft_dir):
+    """At a stop confidence of 0.5 a row's draft ends after its first token the draft model
+    gave less than even odds (the tiny draft is sure of its greedy tokens, not of its samples
+    at temperature 0.8): the verify holds only what was drafted, the forwards stop once every
+    row has ended, and the draft model's KV holds exactly what the target kept. Greedy rows
+    and seeded sampled rows emit the plain text token for token."""
+    runner = make_runner(tiny_llama_dir, "draft_model", tiny_draft_dir, stop_confidence=0.5)
+    tok = runner.target.tokenizer
+
+    def verify(requests: list[Request]):
+        rows = [ScheduledRow(r, [r.output_ids[-1]], r.num_computed_tokens, True, 4) for r in requests]
+        out = runner.execute(Batch(rows=rows))
+        for request, row in zip(requests, out.rows):
+            request.num_computed_tokens += 1 + row.num_accepted_tokens
+            request.output_ids += row.token_ids
+            runner.proposer.verified(request.request_id, request.num_computed_tokens)
+        return out
+
+    sampled = [running(f"s{i}", tok(p).input_ids, i, temperature=0.8, seed=i) for i, p in enumerate(PROMPTS)]
+    step(runner, sampled, [0] * 4)
+    for _ in range(3):
+        out = verify(sampled)
+        assert [row.num_draft_tokens for row in out.rows] == [1, 1, 1, 1]
+        # Every row ended after the first forward (its catch-up): the other three never ran.
+        assert out.num_draft_rows == out.num_draft_catch_up + len(sampled)
+    for request in sampled:
+        _draft_kv_matches_fresh_prefill(runner, request)
+    runner.free([r.request_id for r in sampled])
+
+    mixed = [
+        running(f"m{i}", tok(p).input_ids, i, temperature=0.8 if i % 2 else 0, seed=i) for i, p in enumerate(PROMPTS)
+    ]
+    step(runner, mixed, [0] * 4)
+    out = verify(mixed)
+    drafted = [row.num_draft_tokens for row in out.rows]
+    assert min(drafted) < 4 and max(drafted) == 4  # one batch: some rows draft their K, others end early
+    assert out.num_draft_rows == out.num_draft_catch_up + 4 * len(mixed)  # every row computed by all 4 forwards
+    for request in mixed:
+        _draft_kv_matches_fresh_prefill(runner, request)
+
+    config = SchedulerConfig(max_num_seqs=4, max_model_len=256, spec=SpecConfig(num_speculative_tokens=4))
+
+    def requests(tag: str, speculation) -> list[Request]:
+        params = dict(max_tokens=20, ignore_eos=True, speculation=speculation)
+        return [
+            Request(f"{tag}{i}", tok(p).input_ids, SamplingParams(temperature=0.8 if i % 2 else 0, seed=i, **params))
+            for i, p in enumerate(PROMPTS)
+        ]
+
+    spec, plain = run_offline(runner, config, requests("s", True)), run_offline(runner, config, requests("p", False))
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
