@@ -99,6 +99,10 @@ class DeviceProposer(Proposer):
     def allocate(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
 
+    def ends_drafts_early(self, device: torch.device) -> bool:
+        # Whether every row has ended is read on the host each forward: free on the CPU, a sync on a GPU.
+        return self.stop_confidence > 0 and device.type == "cpu"
+
     def free(self, request_id: str) -> None:
         self._computed.pop(request_id, None)
 
@@ -173,7 +177,9 @@ class DeviceProposer(Proposer):
     def run(self, plan: DraftPlan, arrays: DeviceArrays) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The K draft forwards, on the device, with no host transfer: drafted ids `[R, k_max]`
         (positions >= a row's k are padding) and q `[R, k_max, V]` (zero past a row's k; None
-        when every row is greedy)."""
+        when every row is greedy). Where drafts end early, a row's length is `plan.num_drafted`:
+        past it its ids and q are padding, or what later forwards computed for rows still
+        drafting beside it, and are never verified."""
         p, vocab = plan.prefix, self.vocab_size
         num_rows = len(plan.requests)
         params = [r.params for r in plan.requests]
@@ -186,7 +192,7 @@ class DeviceProposer(Proposer):
         drafted = torch.zeros(num_rows, plan.k_max, dtype=torch.long, device=device)
         q = torch.zeros(num_rows, plan.k_max, vocab, device=device) if plan.any_sampled else None
         num_drafted = list(plan.num_tokens)
-        may_stop = self.stop_confidence > 0 and device.type == "cpu"
+        may_stop = self.ends_drafts_early(device)
         forwards = len(plan.active)
         for j, rows in enumerate(plan.active):
             if j and may_stop and all(num_drafted[i] <= j for i in rows):
@@ -206,21 +212,18 @@ class DeviceProposer(Proposer):
                 tokens = greedy_ids(logits, st_j, counts_j, mask_j)[:, 0]
                 if q is not None:
                     q[index, j] = torch.nn.functional.one_hot(tokens, vocab).to(q.dtype)
-                if may_stop:  # how sure the model is of it, before the rows' processing made q one-hot
-                    chosen = logits[:, 0].gather(1, tokens[:, None])[:, 0].float()
-                    confidence = (chosen - logits[:, 0].float().logsumexp(-1)).exp()
+                probs = None
             else:
                 probs = process_logits(logits, st_j, counts_j, mask_j, None)  # [rows, 1, V]
                 u = draft_noise(st_j, (out_len[index] + j)[:, None])
                 tokens = sample_from_probs(probs, u)[:, 0]
                 assert q is not None  # allocated whenever a row samples
                 q[index, j] = probs[:, 0]
-                if may_stop:
-                    confidence = probs[:, 0].gather(1, tokens[:, None])[:, 0]
             drafted[index, j] = tokens
             if may_stop:
-                for i, sure in zip(rows, (confidence >= self.stop_confidence).tolist()):
-                    if not sure and num_drafted[i] > j + 1:
+                sure = (_confidence(logits[:, 0], probs, tokens, st_j.is_greedy) >= self.stop_confidence).tolist()
+                for i, row_sure in zip(rows, sure):
+                    if not row_sure and num_drafted[i] > j + 1:
                         num_drafted[i] = j + 1
             if counts is not None:
                 counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=counts.dtype), accumulate=True)
@@ -231,3 +234,15 @@ class DeviceProposer(Proposer):
             fed = self._fed_after(request, plan.starts[i], plan.feed_lengths[i], num_drafted[i])
             self._computed[request.request_id] = fed
         return drafted, q
+
+
+def _confidence(
+    logits: torch.Tensor, probs: torch.Tensor | None, tokens: torch.Tensor, is_greedy: torch.Tensor
+) -> torch.Tensor:
+    """[rows] how sure the proposer was of each drafted token: q at a sampled row's token, and at
+    a greedy row's its softmax before processing made q one-hot."""
+    chosen = logits.gather(1, tokens[:, None])[:, 0].float()
+    confidence = (chosen - logits.float().logsumexp(-1)).exp()
+    if probs is None:
+        return confidence
+    return torch.where(is_greedy, confidence, probs[:, 0].gather(1, tokens[:, None])[:, 0])

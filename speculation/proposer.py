@@ -87,6 +87,11 @@ class Proposer:
     def capabilities(self) -> Capabilities:
         return registry.capabilities(self.method)
 
+    def ends_drafts_early(self, device: torch.device) -> bool:
+        """Whether `run` may end rows' drafts before their k on `device` (`DraftPlan.num_drafted`),
+        so the runner plans the target's part of a step once the drafts are made."""
+        return False
+
     # -- drafting on the host --
     def propose(
         self, requests: Sequence[Request], num_tokens: list[int], pending: Sequence[list[int]] | None = None

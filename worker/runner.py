@@ -17,7 +17,9 @@ with no drafts takes the plain sampling path with no speculative work at all.
 
 Host transfers: everything the step needs from the host is packed into one
 buffer and uploaded once; the results come back in one download
-(`models.transfer`).
+(`models.transfer`). Where a device proposer may end drafts early (on the CPU,
+where a host copy is free), the target's part is planned once the drafts are
+made, and uploaded second.
 """
 
 from __future__ import annotations
@@ -181,9 +183,9 @@ class ModelRunner:
         if num_verify:
             plan.device_ids = ids[:num_verify]
             plan.device_q = None if q is None else q[:num_verify]
-            if draft.num_drafted is not None and draft.num_drafted[:num_verify] != draft.num_tokens[:num_verify]:
-                plan = self._ended_early(plan)
-                arrays = plan.buf.upload(self.device)
+        if proposer.ends_drafts_early(self.device):
+            plan = self._as_drafted(plan)
+            arrays = plan.buf.upload(self.device)
         return plan, arrays
 
     def _verified(self, plan: PreparedStep, outputs: dict[str, RowOutput]) -> None:
@@ -253,8 +255,9 @@ class ModelRunner:
             except Exception:  # noqa: BLE001 - a failed draft costs speed, never a request
                 logger.exception("%s proposer failed; these rows decode plainly this step", proposer.method)
                 return self._prepare(rows, device_drafting=False)
-        self._plan_target(plan, plan.draft.k_max if plan.draft else 0)
-        return plan
+        if plan.draft is None or proposer is None or not proposer.ends_drafts_early(self.device):
+            self._plan_target(plan, plan.draft.k_max if plan.draft else 0)
+        return plan  # else the target's part waits for the drafts' lengths (`_prepare_and_draft`)
 
     def _layout(self, rows: list[ScheduledRow], num_draft: list[int]) -> LayoutPlan:
         lens = [len(row.token_ids) + k for row, k in zip(rows, num_draft)]
@@ -263,24 +266,26 @@ class ModelRunner:
             block_tables, [r.start_pos for r in rows], lens, self.config.block_size, self.target.paged_limits
         )
 
-    def _ended_early(self, plan: PreparedStep) -> PreparedStep:
-        """The step again for drafts the device proposer ended early (`DraftPlan.num_drafted`):
-        the target verifies only the tokens drafted, from its own fresh upload."""
-        assert plan.draft is not None and plan.draft.num_drafted is not None and plan.device_ids is not None
+    def _as_drafted(self, plan: PreparedStep) -> PreparedStep:
+        """The step for the drafts as the device proposer made them (`DraftPlan.num_drafted`: some
+        may have ended early), its target's part in a buffer of its own: the target verifies
+        only the tokens drafted."""
+        assert plan.draft is not None and plan.draft.num_drafted is not None
         num_draft = list(plan.num_draft)
         for i, n in zip(plan.draft_rows, plan.draft.num_drafted):
             num_draft[i] = n
-        k = max(num_draft[i] for i in plan.draft_rows)
-        short = replace(
+        k = max((num_draft[i] for i in plan.draft_rows), default=0)
+        ids, q = plan.device_ids, plan.device_q
+        drafted = replace(
             plan,
             num_draft=num_draft,
             layout=self._layout(plan.rows, num_draft),
             buf=HostBuffer(),
-            device_ids=plan.device_ids[:, :k],
-            device_q=None if plan.device_q is None else plan.device_q[:, :k],
+            device_ids=None if ids is None else ids[:, :k],
+            device_q=None if q is None else q[:, :k],
         )
-        self._plan_target(short, k)
-        return short
+        self._plan_target(drafted, k)
+        return drafted
 
     def _plan_target(self, plan: PreparedStep, k_max: int) -> None:
         """The target's part of the upload: its layout, the packed input (device drafts as

@@ -16,6 +16,7 @@ from models.transfer import TransferCounter
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
 from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
+from speculation import device_draft
 from speculation.config import ProposerConfig, SpecConfig
 from tests.support.tensors import packed_forward, read_kv, slot_table
 from worker.builder import build_runner
@@ -304,12 +305,13 @@ def test_a_row_is_finite_exactly_when_none_of_its_logits_is_nan_or_infinite():
 # -- drafts that end early (`DeviceProposer.stop_confidence`) --
 
 
-def test_drafts_end_after_an_unsure_token_and_the_text_is_the_plain_one(tiny_llama_dir, tiny_draft_dir):
+def test_drafts_end_after_an_unsure_token_and_the_text_is_the_plain_one(tiny_llama_dir, tiny_draft_dir, monkeypatch):
     """At a stop confidence of 0.5 a row's draft ends after its first token the draft model
-    gave less than even odds (the tiny draft is sure of its greedy tokens, not of its samples
-    at temperature 0.8): the verify holds only what was drafted, the forwards stop once every
-    row has ended, and the draft model's KV holds exactly what the target kept. Greedy rows
-    and seeded sampled rows emit the plain text token for token."""
+    gave less than even odds (the tiny draft is sure of none of its tokens): the verify holds
+    only what was drafted, the forwards stop once every row has ended, and the draft model's
+    KV holds exactly what the target kept. Beside rows that are sure, ended rows ride along
+    in the forwards and verify only their own. Greedy rows and seeded sampled rows emit the
+    plain text token for token."""
     runner = make_runner(tiny_llama_dir, "draft_model", tiny_draft_dir, stop_confidence=0.5)
     tok = runner.target.tokenizer
 
@@ -337,9 +339,11 @@ def test_drafts_end_after_an_unsure_token_and_the_text_is_the_plain_one(tiny_lla
         running(f"m{i}", tok(p).input_ids, i, temperature=0.8 if i % 2 else 0, seed=i) for i, p in enumerate(PROMPTS)
     ]
     step(runner, mixed, [0] * 4)
+    # Rows 0 and 2 sure of every token, 1 and 3 of none: one batch drafts both ways.
+    monkeypatch.setattr(device_draft, "_confidence", lambda *_: torch.tensor([1.0, 0.0, 1.0, 0.0]))
     out = verify(mixed)
-    drafted = [row.num_draft_tokens for row in out.rows]
-    assert min(drafted) < 4 and max(drafted) == 4  # one batch: some rows draft their K, others end early
+    monkeypatch.undo()
+    assert [row.num_draft_tokens for row in out.rows] == [4, 1, 4, 1]
     assert out.num_draft_rows == out.num_draft_catch_up + 4 * len(mixed)  # every row computed by all 4 forwards
     for request in mixed:
         _draft_kv_matches_fresh_prefill(runner, request)
