@@ -279,7 +279,7 @@ class ModelRunner:
         drafted = replace(
             plan,
             num_draft=num_draft,
-            layout=self._layout(plan.rows, num_draft),
+            layout=plan.layout if num_draft == plan.num_draft else self._layout(plan.rows, num_draft),
             buf=HostBuffer(),
             device_ids=None if ids is None else ids[:, :k],
             device_q=None if q is None else q[:, :k],

@@ -15,7 +15,7 @@ from models.loader import ModelConfig, load_model
 from models.transfer import TransferCounter
 from scheduler.offline import run_offline
 from scheduler.scheduler import SchedulerConfig
-from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow
+from scheduler.types import Batch, Request, RequestStatus, SamplingParams, ScheduledRow, StepOutput
 from speculation import device_draft
 from speculation.config import ProposerConfig, SpecConfig
 from tests.support.tensors import packed_forward, read_kv, slot_table
@@ -49,7 +49,7 @@ def running(rid: str, prompt: list[int], slot: int, **params) -> Request:
     return request
 
 
-def step(runner: ModelRunner, requests: list[Request], k: list[int]) -> list:
+def step_output(runner: ModelRunner, requests: list[Request], k: list[int]) -> StepOutput:
     """One step for requests past their prompt (or prefilling it whole), applied as the scheduler would."""
     rows = []
     for request, ki in zip(requests, k):
@@ -63,7 +63,12 @@ def step(runner: ModelRunner, requests: list[Request], k: list[int]) -> list:
         row.request.num_computed_tokens = row.start_pos + len(row.token_ids) + row_out.num_accepted_tokens
         row.request.output_ids += row_out.token_ids
         row.request.draft = row_out.next_draft
-    return out.rows
+    return out
+
+
+def step(runner: ModelRunner, requests: list[Request], k: list[int]) -> list:
+    """`step_output`'s rows."""
+    return step_output(runner, requests, k).rows
 
 
 def test_draft_model_mixed_greedy_and_sampled_rows_with_ragged_k(tiny_llama_dir, tiny_draft_dir, caplog):
@@ -315,19 +320,10 @@ def test_drafts_end_after_an_unsure_token_and_the_text_is_the_plain_one(tiny_lla
     runner = make_runner(tiny_llama_dir, "draft_model", tiny_draft_dir, stop_confidence=0.5)
     tok = runner.target.tokenizer
 
-    def verify(requests: list[Request]):
-        rows = [ScheduledRow(r, [r.output_ids[-1]], r.num_computed_tokens, True, 4) for r in requests]
-        out = runner.execute(Batch(rows=rows))
-        for request, row in zip(requests, out.rows):
-            request.num_computed_tokens += 1 + row.num_accepted_tokens
-            request.output_ids += row.token_ids
-            runner.proposer.verified(request.request_id, request.num_computed_tokens)
-        return out
-
     sampled = [running(f"s{i}", tok(p).input_ids, i, temperature=0.8, seed=i) for i, p in enumerate(PROMPTS)]
     step(runner, sampled, [0] * 4)
     for _ in range(3):
-        out = verify(sampled)
+        out = step_output(runner, sampled, [4] * 4)
         assert [row.num_draft_tokens for row in out.rows] == [1, 1, 1, 1]
         # Every row ended after the first forward (its catch-up): the other three never ran.
         assert out.num_draft_rows == out.num_draft_catch_up + len(sampled)
@@ -341,7 +337,7 @@ def test_drafts_end_after_an_unsure_token_and_the_text_is_the_plain_one(tiny_lla
     step(runner, mixed, [0] * 4)
     # Rows 0 and 2 sure of every token, 1 and 3 of none: one batch drafts both ways.
     monkeypatch.setattr(device_draft, "_confidence", lambda *_: torch.tensor([1.0, 0.0, 1.0, 0.0]))
-    out = verify(mixed)
+    out = step_output(runner, mixed, [4] * 4)
     monkeypatch.undo()
     assert [row.num_draft_tokens for row in out.rows] == [4, 1, 4, 1]
     assert out.num_draft_rows == out.num_draft_catch_up + 4 * len(mixed)  # every row computed by all 4 forwards
