@@ -382,7 +382,7 @@ class Scheduler:
             if not row.sample:
                 self._cache_blocks(request, row.start_pos)
                 continue
-            self._count_speculation(request, out)
+            self._count_speculation(row, out)
             if request.params.speculation == "auto":
                 self.policy.observe_shadow(request, out.shadow_ids or [], out.token_ids)
                 if out.probe_id is not None and out.token_ids:
@@ -425,7 +425,8 @@ class Scheduler:
         self._finish(request, FinishReason.ERROR)
         return self._output(request, [], None, None, finished=True)
 
-    def _count_speculation(self, request: Request, out) -> None:
+    def _count_speculation(self, row: ScheduledRow, out) -> None:
+        request = row.request
         if not out.num_draft_tokens:
             return
         request.num_draft_tokens += out.num_draft_tokens
@@ -435,7 +436,7 @@ class Scheduler:
         if request.prediction_ids is not None:  # Predicted Outputs drafted the row (usage reports them)
             request.num_prediction_accepted += out.num_accepted_tokens
             request.num_prediction_rejected += out.num_draft_tokens - out.num_accepted_tokens
-        self.policy.observe(request, out.num_draft_tokens, out.num_accepted_tokens, out.method)
+        self.policy.observe(request, out.num_draft_tokens, out.num_accepted_tokens, out.method, row.num_spec_tokens)
 
     def _apply_aborts(self) -> list[RequestOutput]:
         outputs = []

@@ -177,10 +177,12 @@ class StepCostModel:
         b = min(_bucket(num_tokens), _NUM_SLOPES - 1)
         return self._rises[b] + self._slopes[b] * max(num_tokens - _KNOT_LIST[b], 0.0)
 
-    def added_tokens_costs(self, num_tokens: int, max_extra: int) -> np.ndarray:
-        """`added_tokens_cost(num_tokens, m)` for every m in 1..max_extra, in one call: the
-        policy prices every prefix of its ranked draft tokens, hundreds a step at 32 rows."""
-        totals = num_tokens + np.arange(1, max_extra + 1, dtype=np.float64)
+    def added_tokens_costs(self, num_tokens: int, extras: np.ndarray) -> np.ndarray:
+        """`added_tokens_cost(num_tokens, m)` for every m in `extras`, in one call: the policy
+        prices every prefix of its ranked draft tokens, hundreds a step at 32 rows. An extra
+        count may be fractional (tokens expected, where drafts can end early): f is piecewise
+        linear, so it is read between whole counts."""
+        totals = num_tokens + np.asarray(extras, dtype=np.float64)
         rises = np.interp(totals, KNOTS, self._knot_rises)
         # Past the last knot f keeps its last slope, as `_rise` does.
         rises += self._slopes[-1] * np.clip(totals - KNOTS[-1], 0.0, None)

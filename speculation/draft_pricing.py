@@ -1,5 +1,6 @@
 """What a device proposer's work adds to a step, as the policy prices it: its forwards, their
-rows, and the catch-up its first forward feeds each row (docs/speculation.md, "The catch-up").
+rows, the catch-up its first forward feeds each row (docs/speculation.md, "The catch-up"), and
+how far its drafts run once planned (`DraftReach`).
 
 The cost model's fitted prices are used where recent steps measured them; until then, the prior:
 the target's own learned step over as many rows, scaled by the proposer's `forward_cost_ratio`.
@@ -8,7 +9,7 @@ the target's own learned step over as many rows, scaled by the proposer's `forwa
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.types import Request
 from speculation.cost_model import StepCostModel, StepShape
@@ -19,6 +20,9 @@ from speculation.cost_model import StepCostModel, StepShape
 # where the forwards, their rows and the catch-up all grow together, the split between them
 # was arbitrary (on the real pair, 58 ms a forward after two catch-ups, against 14 measured).
 MEASURED = 3.0
+# Weight of the reach's history per graded draft: about the last twenty drafts count. The
+# prior, one planned position drafted, weighs as much as one draft.
+REACH_DECAY, REACH_PRIOR_WEIGHT = 0.95, 1.0
 
 
 @dataclass(frozen=True)
@@ -73,3 +77,46 @@ def catch_up_charges(
             once = max(prices.catch_up_seconds(fed - 1) - recurring, 0.0)
             charges[i] = (recurring, once / left)
     return charges
+
+
+@dataclass
+class DraftReach:
+    """How far a device proposer's drafts run: per draft position j, the share of planned drafts
+    that drafted it. On a CPU a draft model or head ends a row's draft after a token it doubts
+    (`--draft-stop-confidence`), and a position it did not draft is neither a forward nor a row
+    of one nor a verify token, so the policy prices each planned position's work at its reach
+    (what it gains, its acceptance estimate already says: `AcceptanceEstimates.verified`).
+    Learned from every verify of the proposer's drafts, from a prior of 1 (drafts that never end
+    early keep it)."""
+
+    planned: list[float] = field(default_factory=list)  # decayed counts per position
+    drafted: list[float] = field(default_factory=list)
+
+    def observe(self, num_planned: int, num_drafted: int) -> None:
+        """A verify of a draft planned at `num_planned` tokens that drafted `num_drafted`."""
+        if num_planned <= 0:
+            return
+        grow = num_planned - len(self.planned)
+        if grow > 0:
+            self.planned += [0.0] * grow
+            self.drafted += [0.0] * grow
+        for j in range(len(self.planned)):
+            self.planned[j] *= REACH_DECAY
+            self.drafted[j] *= REACH_DECAY
+        for j in range(num_planned):
+            self.planned[j] += 1.0
+            self.drafted[j] += float(j < num_drafted)
+
+    def at(self, position: int) -> float:
+        """P(position `position` of a planned draft is drafted)."""
+        if position >= len(self.planned):
+            return 1.0
+        weight = REACH_PRIOR_WEIGHT
+        return (self.drafted[position] + weight) / (self.planned[position] + weight)
+
+    def of(self, k: int) -> list[float]:
+        """The reach of a draft's first `k` positions."""
+        return [self.at(j) for j in range(k)]
+
+    def summary(self) -> list[float]:
+        return [round(r, 3) for r in self.of(len(self.planned))]

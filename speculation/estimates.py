@@ -205,14 +205,18 @@ class AcceptanceEstimates:
         return self.calibration.setdefault(state.method or "", GainCalibration())
 
     # -- learning --
-    def verified(self, state: RowEstimate, num_drafted: int, num_accepted: int) -> None:
-        """A verify of `num_drafted` draft tokens accepted `num_accepted`."""
+    def verified(self, state: RowEstimate, num_drafted: int, num_accepted: int, num_asked: int = 0) -> None:
+        """A verify of `num_drafted` draft tokens accepted `num_accepted`, of a draft asked for
+        `num_asked` (more where it ended early: the position after its last, reached when all
+        were accepted, gained nothing, so a rate is the chance a position is drafted and accepted)."""
         if state.planned:  # a verify the policy planned (not a forced draft)
-            self._calibration(state).add(state.planned[:num_drafted], num_accepted)
+            # Every planned position is graded: one a draft that ended early never drafted
+            # gained nothing, as its reach priced.
+            self._calibration(state).add(state.planned, num_accepted)
             state.planned = []
         self._begin(state)
         after_full = state.after_full
-        for j in reached_positions(num_drafted, num_accepted):
+        for j in reached_positions(max(num_drafted, num_asked), num_accepted):
             self._grade(state, slot_of(j, after_full), float(j < num_accepted))
         state.after_full = num_accepted == num_drafted
 

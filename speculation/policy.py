@@ -24,7 +24,7 @@ from scheduler.types import PLAIN_REASONS, Request, StepPlan
 from speculation import registry
 from speculation.config import SpecConfig
 from speculation.cost_model import StepCostModel, StepShape
-from speculation.draft_pricing import DraftPrices, catch_up_charges
+from speculation.draft_pricing import DraftPrices, DraftReach, catch_up_charges
 from speculation.estimates import AcceptanceEstimates, RowEstimate
 from speculation.proposer import Drafting
 from speculation.registry import Capabilities
@@ -59,6 +59,7 @@ class SpecPolicy:
     drafting: Drafting = field(default_factory=Drafting)
     cost: StepCostModel = field(default_factory=StepCostModel)
     estimates: AcceptanceEstimates = field(init=False)
+    reach: DraftReach = field(default_factory=DraftReach)  # how far the device proposer's drafts run
     plain_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PLAIN_REASONS, 0))
     num_probes: int = 0  # probes graded, and how many of them were (expected to be) accepted
     num_probes_accepted: float = 0.0
@@ -279,25 +280,36 @@ class SpecPolicy:
         best = 0
         if order:  # every prefix of the ranking at once
             expected_at = expected + np.cumsum([gain for gain, _ in order])
-            m = np.arange(1, len(order) + 1)
-            added = cost.added_tokens_costs(tokens, len(order)) + logits_cost * m if cost.is_fitted else 0.02 * m
-            # A device proposer runs one more forward for each position past its longest draft so far,
-            # and each of its draft tokens is one more row of a forward.
-            drafted, positions, longest = [0] * len(requests), draft_positions, []
-            rows, device_rows, caught_up, catch_up_seconds = 0, [], 0.0, []
+            # A device proposer runs one more forward for each position past the forced drafts'
+            # that some row still drafts, and each of its draft tokens is one more row of a forward
+            # and of the verify; a position is drafted as often as the proposer's drafts reach it.
+            drafted = [0] * len(requests)
+            missed: dict[int, float] = {}  # position -> P(no row drafts it)
+            forward_sum, rows, extra, caught_up = 0.0, 0.0, 0.0, 0.0
+            forwards_at, rows_at, extra_at, catch_up_at = [], [], [], []
             for gain, i in order:
                 if on_device[i]:
+                    j = drafted[i]
                     drafted[i] += 1
-                    positions = max(positions, drafted[i])
-                    rows += 1
+                    reach = self.reach.at(j)
+                    if j >= draft_positions:
+                        miss = missed.get(j, 1.0)
+                        missed[j] = miss * (1.0 - reach)
+                        forward_sum += miss - missed[j]
+                    rows += reach
+                    extra += reach
                     recurring, per_token = catch_ups.get(i, (0.0, 0.0))
-                    caught_up += recurring + per_token if drafted[i] == 1 else 0.0
+                    caught_up += recurring + per_token if j == 0 else 0.0
                     caught_up += per_token * gain
-                longest.append(positions)
-                device_rows.append(rows)
-                catch_up_seconds.append(caught_up)
-            forwards = draft_cost * (np.array(longest, dtype=np.float64) - draft_positions)
-            forwards += row_cost * np.array(device_rows, dtype=np.float64) + np.array(catch_up_seconds)
+                else:
+                    extra += 1.0
+                forwards_at.append(forward_sum)
+                rows_at.append(rows)
+                extra_at.append(extra)
+                catch_up_at.append(caught_up)
+            m = np.array(extra_at)
+            added = cost.added_tokens_costs(tokens, m) + logits_cost * m if cost.is_fitted else 0.02 * m
+            forwards = draft_cost * np.array(forwards_at) + row_cost * np.array(rows_at) + np.array(catch_up_at)
             totals = seconds + added + forwards + (0.0 if already_spec else spec_cost)
             rates = expected_at / totals
             top = int(np.argmax(rates))  # the first of equals: the shortest plan with the best rate
@@ -397,13 +409,20 @@ class SpecPolicy:
         return 0 if self.row(request).shadow is not None else self.k_max(request)
 
     # -- learning --
-    def observe(self, request: Request, num_drafted: int, num_accepted: int, method: str | None = None) -> None:
+    def observe(
+        self, request: Request, num_drafted: int, num_accepted: int, method: str | None = None, num_asked: int = 0
+    ) -> None:
         """A verify step of `request`: the drafts it carried (by `method`, default the row's
-        proposer), and how many were accepted."""
+        proposer), and how many were accepted; `num_asked`, the draft length the step asked of
+        it (a device proposer's draft may end before that: `DraftReach`)."""
         if num_drafted:
-            state = self.row(request, lookup=method == registry.LOOKUP.name and self.uses_lookup(request))
-            self.estimates.verified(state, num_drafted, num_accepted)
+            lookup = method == registry.LOOKUP.name and self.uses_lookup(request)
+            state = self.row(request, lookup=lookup)
+            asked = num_asked if not lookup and self.capabilities(request).on_device else 0
+            self.estimates.verified(state, num_drafted, num_accepted, asked)
             state.plain_steps = 0
+            if asked:
+                self.reach.observe(asked, num_drafted)
 
     def observe_probe(self, request: Request, draft_id: int, emitted: int, accept: float | None = None) -> float:
         """Grade a probe against the token the row emitted, and return how accepted it was.
@@ -460,6 +479,7 @@ class SpecPolicy:
             "required_edge": REQUIRED_EDGE,
             "plain_steps": dict(self.plain_steps),
             "probes": {"graded": self.num_probes, "accepted": round(self.num_probes_accepted, 1)},
+            "draft_reach": self.reach.summary(),
             **self.estimates.summary(),
         }
 

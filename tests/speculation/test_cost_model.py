@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from speculation.cost_model import StepCostModel, StepShape
@@ -150,10 +151,13 @@ def test_every_prefix_of_a_draft_is_priced_in_one_call_as_one_at_a_time():
         t = rng.choice([1, 3, 9, 17, 40, 200, 3000, 20000])
         model.observe(StepShape(t, 50 * t), 0.02 + 1e-4 * t + 2e-6 * t * t**0.5 + rng.uniform(0, 1e-3))
     for start, extra in ((1, 40), (15, 20), (250, 300), (16000, 900), (30000, 5)):
-        batch = model.added_tokens_costs(start, extra)
+        batch = model.added_tokens_costs(start, np.arange(1, extra + 1))
         one_by_one = [model.added_tokens_cost(start, m) for m in range(1, extra + 1)]
         assert batch.tolist() == pytest.approx(one_by_one, rel=1e-9, abs=1e-12)
-    assert len(StepCostModel().added_tokens_costs(4, 3)) == 3  # an unfitted model prices drafts at 0
+    assert len(StepCostModel().added_tokens_costs(4, np.arange(1, 4))) == 3  # an unfitted model prices drafts at 0
+    # Expected counts between whole ones (drafts that may end early) read f between them.
+    halfway = model.added_tokens_costs(15, np.array([2.5]))[0]
+    assert halfway == pytest.approx((model.added_tokens_cost(15, 2) + model.added_tokens_cost(15, 3)) / 2)
 
 
 def test_a_catch_up_is_priced_apart_from_the_rows_of_a_draft_forward():

@@ -119,3 +119,29 @@ def test_the_policy_learns_the_length_of_requests_that_end_on_their_own():
             output = fake_step(batch)
             s.update(batch, output, step_seconds(batch, output))
     assert s.policy.mean_output_tokens == 5
+
+
+def test_a_draft_that_ends_early_teaches_the_policy_how_far_drafts_run():
+    """A draft model whose drafts end after their first token (as one that doubts the next does on
+    a CPU): the scheduler grades every verify against the length it asked for, so the policy
+    learns that the later positions are seldom drafted (`DraftReach`), whatever it planned."""
+    config = SchedulerConfig(max_num_seqs=2, max_model_len=4096, spec=SpecConfig(num_speculative_tokens=4))
+    s = Scheduler(config, Drafting("draft_model"))
+    s.add(Request("a", [1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True, speculation=True)))
+    asked = []
+    for _ in range(40):
+        batch, _ = s.schedule()
+        rows = []
+        for row in batch.rows:
+            if row.num_spec_tokens:
+                asked.append(row.num_spec_tokens)
+            drafted = min(row.num_spec_tokens, 1)
+            out = RowOutput(row.request_id, [COPY] * (drafted + 1) if row.sample else [],
+                            num_draft_tokens=drafted, num_accepted_tokens=drafted)  # fmt: skip
+            out.method = "draft_model" if drafted else None
+            rows.append(out)
+        s.update(batch, StepOutput(rows=rows), 0.05)
+    assert asked and set(asked) == {4}
+    first, *later = s.policy.reach.of(4)
+    assert first == 1.0
+    assert all(r < 0.1 for r in later)
