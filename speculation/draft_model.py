@@ -59,6 +59,10 @@ class DraftModelProposer(DeviceProposer):
     def forward_cost_ratio(self) -> float | None:
         return self.cost_ratio
 
+    @property
+    def recurring_feed(self) -> int | None:
+        return 1  # its KV keeps its accepted drafts but the last (`_fed_after`): only that one recurs
+
     def bytes_per_block(self, block_size: int) -> int:
         return KVCache.bytes_per_block(self.draft.model.config, block_size, self.draft.dtype)
 

@@ -56,13 +56,15 @@ def catch_up_charges(
     positions: Mapping[int, int],
     feeds: Mapping[int, int],
     mean_output_tokens: float | None,
+    recurring_feed: int | None = None,
 ) -> dict[int, tuple[float, float]]:
     """Per row i with a catch-up past its last token (`feeds[i]` tokens fed; `positions[i]` it
     may draft): (seconds charged in full to its first position, seconds charged per token the
     row is expected to make this step).
 
     Up to a draft's length of the feed recurs every verify (a head re-feeds the tokens it
-    drafted and the target accepted) and is paid in full. The rest is paid once and serves
+    drafted and the target accepted), or up to `recurring_feed` tokens (a draft model's KV keeps
+    its drafts: only its last one is fed again), and is paid in full. The rest is paid once and serves
     every later verify of the row, so it is spread over the tokens the row has left: its
     `max_tokens` left, or the mean output of recent finished requests where that is less
     (memoryless: a request is expected to make about that many more)."""
@@ -73,7 +75,8 @@ def catch_up_charges(
             left = float(max(request.params.max_tokens - len(request.output_ids), 1))
             if mean_output_tokens is not None:
                 left = min(left, max(mean_output_tokens, 1.0))
-            recurring = prices.catch_up_seconds(min(fed - 1, positions[i]))
+            cap = positions[i] if recurring_feed is None else min(positions[i], recurring_feed)
+            recurring = prices.catch_up_seconds(min(fed - 1, cap))
             once = max(prices.catch_up_seconds(fed - 1) - recurring, 0.0)
             charges[i] = (recurring, once / left)
     return charges

@@ -226,7 +226,9 @@ class SpecPolicy:
             return {}
         rows = list(positions)
         feeds = dict(zip(rows, self.drafting.catch_up([requests[i] for i in rows], [1] * len(rows))))
-        return catch_up_charges(self.prices, requests, positions, feeds, self.mean_output_tokens)
+        return catch_up_charges(
+            self.prices, requests, positions, feeds, self.mean_output_tokens, self.drafting.recurring_feed
+        )
 
     @property
     def prices(self) -> DraftPrices:

@@ -55,6 +55,7 @@ class Drafting:
     available: DraftLengths | None = None  # drafts made ahead (n-gram, Predicted Outputs): their lengths
     catch_up: DraftLengths | None = None  # a device proposer: tokens its first forward would feed each row
     forward_cost_ratio: float | None = None  # a device proposer's (`Proposer.forward_cost_ratio`)
+    recurring_feed: int | None = None  # a device proposer's (`Proposer.recurring_feed`)
     info: dict | None = None  # what the proposer shows of itself (an EAGLE head: path, vocabulary, record)
 
     @property
@@ -123,6 +124,13 @@ class Proposer:
         """What one of its forwards costs against a target forward over as many token rows: the
         weights they multiply by, its over the target's. The policy prices its forwards so until
         steps have measured them (None: it runs none)."""
+        return None
+
+    @property
+    def recurring_feed(self) -> int | None:
+        """The most tokens past a row's last one that its first forward feeds again at every
+        verify, however long the row ran plain before (None: up to the draft's length, as a head
+        re-feeds what it drafted and the target accepted). The rest of a catch-up is paid once."""
         return None
 
     def verified(self, request_id: str, num_valid: int) -> None:

@@ -122,6 +122,7 @@ class ModelRunner:
             available=self.host.lengths,
             catch_up=proposer.feed_lengths if proposer.capabilities.on_device else None,
             forward_cost_ratio=proposer.forward_cost_ratio,
+            recurring_feed=proposer.recurring_feed,
             info=proposer.info(),
         )
 

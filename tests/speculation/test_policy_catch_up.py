@@ -69,6 +69,19 @@ def test_the_part_of_a_feed_that_recurs_every_verify_is_paid_in_full():
     assert charges[1][1] * 1000 == pytest.approx(policy.prices.catch_up_seconds(2000) - four)
 
 
+def test_a_draft_model_pays_once_for_what_it_missed_while_its_row_ran_plain():
+    """A draft model's KV keeps the drafts the target accepted (all but its last), so after a
+    row ran plain for a while only one token of its catch-up recurs; the rest is paid once,
+    spread over the tokens the row has left, and the row's next verify is not charged for it."""
+    drafting = Drafting("draft_model", catch_up=lambda rows, k: [9], forward_cost_ratio=RATIO, recurring_feed=1)
+    policy = SpecPolicy(SpecConfig(num_speculative_tokens=4), drafting, cost=trained(linear(0.05, 0.001)))
+    lagging = row("lagging", 1000)
+    charges = policy._catch_up_charges([lagging], [(0.9, 0)] * 4, frozenset())
+    one = policy.prices.catch_up_seconds(1)
+    assert one > 0 and charges[0][0] == one
+    assert charges[0][1] * 1000 == pytest.approx(policy.prices.catch_up_seconds(8) - one)
+
+
 def test_the_tokens_left_follow_the_mean_output_of_finished_requests():
     """`max_tokens` is a bound, not a length: once requests finish after 16 tokens, a row allowed
     1,000 is expected to make about 16 more, and its 2,000-token catch-up no longer pays."""
