@@ -211,7 +211,7 @@ class AcceptanceEstimates:
         were accepted, gained nothing, so a rate is the chance a position is drafted and accepted)."""
         if state.planned:  # a verify the policy planned (not a forced draft)
             # Every planned position is graded: one a draft that ended early never drafted
-            # gained nothing, as its reach priced.
+            # gained nothing (its rate below counts it so too).
             self._calibration(state).add(state.planned, num_accepted)
             state.planned = []
         self._begin(state)
